@@ -1,0 +1,31 @@
+"""functe: TransformerEngine's fusible ops as pure functions over PyTorch tensors.
+
+Ops live in :mod:`functe.ops`. State is explicit (:class:`ScalingState`), ops are
+defined with :func:`custom_vjp`, and kernels dispatch by device and backend
+(:func:`use_backend`).
+"""
+
+from . import ops as ops
+from ._backend import BACKENDS as BACKENDS
+from ._backend import get_backend as get_backend
+from ._backend import set_backend as set_backend
+from ._backend import use_backend as use_backend
+from ._errors import DeviceError as DeviceError
+from ._errors import DTypeError as DTypeError
+from ._errors import FuncteError as FuncteError
+from ._errors import ShapeError as ShapeError
+from ._errors import StateError as StateError
+from ._errors import TraceError as TraceError
+from ._errors import TransformError as TransformError
+from ._state import ScalingState as ScalingState
+from ._state import init_scaling_state as init_scaling_state
+from ._tree import pytree_dataclass as pytree_dataclass
+from ._tree import tree_flatten as tree_flatten
+from ._tree import tree_leaves as tree_leaves
+from ._tree import tree_map as tree_map
+from ._tree import tree_structure as tree_structure
+from ._tree import tree_unflatten as tree_unflatten
+from ._vjp import CustomVJP as CustomVJP
+from ._vjp import custom_vjp as custom_vjp
+
+__version__ = "0.1.0"

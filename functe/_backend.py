@@ -1,0 +1,88 @@
+"""Backend selection: which implementation of a kernel runs for a given tensor.
+
+There are three backends:
+
+* ``"auto"`` (the default): CUDA tensors run the Triton kernels, CPU tensors run
+  the PyTorch twins.
+* ``"torch"``: the PyTorch twins everywhere (a reference run on GPU).
+* ``"interpret"``: the Triton kernels everywhere; on CPU they run through
+  Triton's interpreter. This is how the test suite checks every kernel on a
+  machine without a GPU. It needs numpy (Triton's interpreter imports it).
+
+The choice is read from the ``FUNCTE_BACKEND`` environment variable at import,
+can be set with :func:`set_backend`, and can be overridden for a block with
+:func:`use_backend`. It is configuration, not state: no op result depends on it
+beyond floating-point rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from ._errors import FuncteError
+
+BACKENDS = ("auto", "torch", "interpret")
+
+
+def _validated(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise FuncteError(f"functe backend from {source} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+# A plain module global, not a ContextVar: torch.compile cannot trace
+# ContextVar.get, and reads of a global are guarded (a change recompiles).
+_current = _validated(os.environ.get("FUNCTE_BACKEND", "auto") or "auto", "FUNCTE_BACKEND")
+
+
+def get_backend() -> str:
+    """The backend in force: the innermost :func:`use_backend`, else the global one.
+
+    Example:
+        >>> get_backend() in BACKENDS
+        True
+    """
+    return _current
+
+
+def set_backend(name: str) -> None:
+    """Set the global backend (``"auto"``, ``"torch"`` or ``"interpret"``)."""
+    global _current
+    _current = _validated(name, "set_backend")
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Use backend ``name`` inside a ``with`` block.
+
+    Example:
+        >>> import torch, functe
+        >>> with functe.use_backend("torch"):
+        ...     y = functe.ops.constant_scale(torch.ones(3), 2.0)
+        >>> y.tolist()
+        [2.0, 2.0, 2.0]
+    """
+    global _current
+    previous, _current = _current, _validated(name, "use_backend")
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def runs_triton(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` runs as Triton (compiled or interpreted)."""
+    backend = _current
+    if backend == "torch":
+        return False
+    if backend == "interpret":
+        return True
+    return device.type == "cuda"
+
+
+def interpreting() -> bool:
+    """Whether Triton launches must go through the interpreter."""
+    return _current == "interpret"

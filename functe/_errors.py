@@ -1,0 +1,128 @@
+"""Error classes and the helpers that write their messages.
+
+Every functe error names the op, the argument, and the expected versus actual
+value, with tensors described in a compact jaxpr-like form (``f32[8,16]``).
+All classes derive from :class:`FuncteError`, so ``except functe.FuncteError``
+catches any of them, and each also derives from the builtin exception a caller
+would expect (``ValueError`` for shapes, ``TypeError`` for dtypes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_DTYPE_SHORT = {
+    torch.float64: "f64",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "f8e4m3",
+    torch.float8_e5m2: "f8e5m2",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short name of a dtype as functe prints it (``torch.float32`` -> ``f32``)."""
+    return _DTYPE_SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def describe(value: Any) -> str:
+    """Describe a value for an error message: ``f32[8,16]`` for a tensor.
+
+    Example:
+        >>> import torch
+        >>> describe(torch.zeros(8, 16))
+        'f32[8,16]'
+    """
+    if isinstance(value, torch.Tensor):
+        dims = ",".join(str(d) for d in value.shape)
+        return f"{dtype_name(value.dtype)}[{dims}]"
+    if value is None:
+        return "None"
+    return type(value).__name__
+
+
+def describe_shape(dtype: torch.dtype | None, shape) -> str:
+    """Describe an expected shape: ``f32[8,16]``, ``?[...,16]`` for unknown parts."""
+    prefix = "?" if dtype is None else dtype_name(dtype)
+    dims = ",".join("..." if d is Ellipsis else ("?" if d is None else str(d)) for d in shape)
+    return f"{prefix}[{dims}]"
+
+
+class FuncteError(Exception):
+    """Base class of every error functe raises on purpose."""
+
+
+class ShapeError(FuncteError, ValueError):
+    """An argument has the wrong shape (rank, size, or divisibility)."""
+
+
+class DTypeError(FuncteError, TypeError):
+    """An argument has a dtype the op does not accept."""
+
+
+class DeviceError(FuncteError, ValueError):
+    """Arguments of one call live on different devices."""
+
+
+class TransformError(FuncteError, RuntimeError):
+    """A transform (vmap, jvp, higher-order grad, compile) the op cannot honour."""
+
+
+class StateError(FuncteError, ValueError):
+    """A scaling-state pytree is malformed or used in a way that would corrupt it."""
+
+
+class TraceError(FuncteError, RuntimeError):
+    """Something inside a traced function cannot be recorded in an op list."""
+
+
+def _where(op: str, arg: str) -> str:
+    return f"functe.{op}: argument '{arg}'"
+
+
+def shape_error(op: str, arg: str, expected: str, actual: Any, why: str = "") -> ShapeError:
+    """Build a :class:`ShapeError` with the standard message layout."""
+    tail = f" ({why})" if why else ""
+    return ShapeError(f"{_where(op, arg)} expected {expected}, got {describe(actual)}{tail}")
+
+
+def dtype_error(op: str, arg: str, expected: str, actual: Any, why: str = "") -> DTypeError:
+    """Build a :class:`DTypeError` with the standard message layout."""
+    tail = f" ({why})" if why else ""
+    return DTypeError(f"{_where(op, arg)} expected {expected}, got {describe(actual)}{tail}")
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_tensor(op: str, arg: str, value: Any, *, dtypes=FLOAT_DTYPES) -> torch.Tensor:
+    """Require a tensor of one of ``dtypes``; return it."""
+    if not isinstance(value, torch.Tensor):
+        raise dtype_error(op, arg, "a tensor", value)
+    if dtypes is not None and value.dtype not in dtypes:
+        names = "|".join(dtype_name(d) for d in dtypes)
+        raise dtype_error(op, arg, f"dtype {names}", value)
+    return value
+
+
+def check_same_dtype(op: str, arg: str, value: torch.Tensor, like: torch.Tensor, like_arg: str) -> None:
+    """Require ``value`` to have the dtype of ``like`` (functe never promotes silently)."""
+    if value.dtype != like.dtype:
+        raise dtype_error(op, arg, f"dtype {dtype_name(like.dtype)} to match '{like_arg}' {describe(like)}", value)
+
+
+def check_same_device(op: str, tensors: dict[str, Any]) -> None:
+    """Require every tensor in ``tensors`` (name -> value) to be on one device."""
+    devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"'{n}' on {d}" for n, d in devices.items())
+        raise DeviceError(f"functe.{op}: arguments must share one device, got {listing}")

@@ -1,0 +1,181 @@
+"""Kernels: a Triton launcher and its PyTorch twin behind the one dispatch point.
+
+A :class:`Kernel` pairs a Triton *launcher* (allocates its outputs, launches,
+returns) with a PyTorch *twin* of the same signature. Calling the kernel picks
+one by :func:`functe._backend.runs_triton`: the twin runs directly (it is plain
+torch, so every transform understands it); a Triton launch goes through a
+per-kernel ``autograd.Function`` whose ``forward`` calls the launcher wrapped as
+a ``torch.library.custom_op`` (opaque to ``torch.compile``, no autograd of its
+own). That Function is what makes a kernel safe to call anywhere, including in
+a backward rule under ``torch.func.grad``:
+
+* the launch happens only in ``forward``, which always receives plain tensors
+  (a raw launch on a functorch wrapper fails: "Cannot access storage of
+  TensorWrapper");
+* ``backward`` and ``jvp`` differentiate the *twin* with ``torch.func``, so a
+  kernel used inside a backward rule has correct second derivatives;
+* ``vmap`` applies the kernel's batching rule: :class:`Rowwise` folds the
+  vmapped dimension into the kernel's leading (row) dimensions; anything else
+  runs ``torch.vmap`` over the twin, which is always correct.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._backend import runs_triton
+
+Tensor = torch.Tensor
+
+
+class Rowwise:
+    """Batching rule for kernels that treat all leading dimensions as independent rows.
+
+    ``params`` are the positions of arguments that are *not* row data (a norm's
+    weight, say). When only row arguments are batched, the vmapped dimension is
+    moved in front and becomes one more leading dimension, and every output is
+    batched along dimension 0. When a ``params`` argument is batched (an
+    ensemble of weights), the twin is vmapped instead.
+    """
+
+    def __init__(self, params: Sequence[int] = ()):
+        self.params = frozenset(params)
+
+
+class Kernel:
+    """A Triton launcher and its PyTorch twin, dispatched by device and backend.
+
+    Args:
+        name: unique name; the custom op is registered as ``functe::<name>``.
+        launcher: Triton host function with type annotations (they become the
+            custom-op schema); allocates and returns new tensors, never writes
+            its inputs.
+        twin: PyTorch function with the same signature and results.
+        batch: a :class:`Rowwise` rule, or ``None`` to vmap the twin.
+    """
+
+    def __init__(self, name: str, launcher: Callable, twin: Callable, *, batch: Rowwise | None = None):
+        if list(inspect.signature(launcher).parameters) != list(inspect.signature(twin).parameters):
+            raise TypeError(f"kernel {name}: launcher and twin must have the same signature")
+        self.name = name
+        self.launcher = launcher
+        self.twin = twin
+        self.batch = batch
+        self.op = torch.library.custom_op(f"functe::{name}", launcher, mutates_args=())
+        # The twin is plain torch, so on fake tensors it computes exactly the
+        # output shapes and dtypes: it serves as the op's fake implementation.
+        self.op.register_fake(twin)
+        self.function = _make_function(self)
+
+    def __call__(self, *args):
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if not runs_triton(tensors[0].device):
+            return self.twin(*args)
+        if torch.compiler.is_compiling():
+            # Dynamo cannot nest a Function inside the op Function it traces;
+            # the opaque custom op is all it needs (compiled code is first-order).
+            return self.op(*args)
+        if _needs_autograd(tensors):
+            return self.function.apply(*args)
+        return self.op(*args)
+
+    def __repr__(self):
+        return f"Kernel({self.name})"
+
+
+def _needs_autograd(tensors: list[Tensor]) -> bool:
+    """Whether a launch must be recorded: a tensor requires grad or is a torch.func wrapper."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def _float_positions(args: Sequence[Any]) -> list[int]:
+    return [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.is_floating_point()]
+
+
+def _with(args: Sequence[Any], positions: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    full = list(args)
+    for i, v in zip(positions, values):
+        full[i] = v
+    return full
+
+
+def _make_function(kernel: Kernel) -> type[torch.autograd.Function]:
+    twin = kernel.twin
+
+    def forward(*args):
+        return kernel.op(*args)
+
+    def setup_context(ctx, inputs, output):
+        positions = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]
+        ctx.positions = positions
+        ctx.others = [None if isinstance(a, Tensor) else a for a in inputs]
+        tensors = [inputs[i] for i in positions]
+        ctx.save_for_backward(*tensors)
+        ctx.save_for_forward(*tensors)
+        ctx.set_materialize_grads(False)
+
+    def saved_args(ctx):
+        return _with(ctx.others, ctx.positions, ctx.saved_tensors)
+
+    def backward(ctx, *grads):
+        args = saved_args(ctx)
+        diff = _float_positions(args)
+
+        def twin_of(*values):
+            return twin(*_with(args, diff, values))
+
+        outputs, vjp_fn = torch.func.vjp(twin_of, *(args[i] for i in diff))
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        cts = tuple(torch.zeros_like(o) if g is None else g for g, o in zip(grads, outs))
+        grads_in = vjp_fn(cts if isinstance(outputs, tuple) else cts[0])
+        return tuple(_with([None] * len(args), diff, grads_in))
+
+    def jvp(ctx, *tangents):
+        args = saved_args(ctx)
+        diff = _float_positions(args)
+        primals = tuple(args[i] for i in diff)
+        tans = tuple(torch.zeros_like(p) if tangents[i] is None else tangents[i] for i, p in zip(diff, primals))
+
+        def twin_of(*values):
+            return twin(*_with(args, diff, values))
+
+        _, out_tangents = torch.func.jvp(twin_of, primals, tans)
+        return out_tangents
+
+    def vmap(info, in_dims, *args):
+        rule = kernel.batch
+        batched_params = rule is not None and any(in_dims[i] is not None for i in rule.params)
+        if rule is None or batched_params:
+            out = torch.vmap(twin, in_dims=tuple(in_dims))(*args)
+        else:
+            moved = [
+                _to_front(a, d, info.batch_size) if i not in rule.params else a
+                for i, (a, d) in enumerate(zip(args, in_dims))
+            ]
+            out = kernel(*moved)
+        dims = tuple(0 for _ in out) if isinstance(out, tuple) else 0
+        return out, dims
+
+    methods = {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+        "jvp": staticmethod(jvp),
+        "vmap": staticmethod(vmap),
+    }
+    return type(f"{kernel.name}_kernel", (torch.autograd.Function,), methods)
+
+
+def _to_front(value: Any, dim: int | None, size: int) -> Any:
+    """Move a vmapped dimension to the front; broadcast an unbatched row tensor."""
+    if not isinstance(value, Tensor):
+        return value
+    if dim is None:
+        return value.expand(size, *value.shape)
+    return value.movedim(dim, 0)

@@ -1,0 +1,123 @@
+"""Thin pytree helpers over optree, plus one registration for both registries.
+
+functe flattens pytrees with optree (fast, C++), in its own namespace so that a
+registration here never leaks into a user's optree trees. torch.func, however,
+only understands ``torch.utils._pytree`` registrations: a class registered with
+optree alone is rejected by ``torch.func.grad`` ("Thing passed to transform API
+must be Tensor"). :func:`pytree_dataclass` therefore registers a class with
+both, so a state object can be a ``grad`` argument, a ``vmap`` input and a
+``jacrev`` output alike.
+
+``None`` is a leaf in functe's flattening (as in ``torch.utils._pytree``), so an
+optional argument keeps its position when a call is flattened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import optree
+import torch.utils._pytree as torch_pytree
+
+NAMESPACE = "functe"
+
+T = TypeVar("T")
+PyTreeSpec = optree.PyTreeSpec
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+    """Flatten ``tree`` into leaves and a spec (``None`` counts as a leaf).
+
+    Example:
+        >>> leaves, spec = tree_flatten({"w": 1, "b": None})
+        >>> leaves
+        [None, 1]
+    """
+    return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def tree_unflatten(spec: PyTreeSpec, leaves) -> Any:
+    """Inverse of :func:`tree_flatten`."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` in flattening order (``None`` included)."""
+    return optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def tree_structure(tree: Any) -> PyTreeSpec:
+    """The spec of ``tree`` without its leaves."""
+    return optree.tree_structure(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
+    """Apply ``fn`` leafwise over ``tree`` and structurally identical ``rests``.
+
+    Example:
+        >>> tree_map(lambda a, b: a + b, {"x": 1, "y": 2}, {"x": 10, "y": 20})
+        {'x': 11, 'y': 22}
+    """
+    return optree.tree_map(fn, tree, *rests, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def _paths(spec: PyTreeSpec) -> list[str]:
+    return ["".join(f"[{k!r}]" for k in path) or "<root>" for path in spec.paths()]
+
+
+def leaf_paths(tree: Any) -> list[str]:
+    """Printable key path of each leaf, e.g. ``['w']`` or ``[0]['scale']``."""
+    return _paths(tree_structure(tree))
+
+
+def pytree_dataclass(cls: type[T]) -> type[T]:
+    """Make ``cls`` a frozen dataclass whose fields are pytree children.
+
+    The class is registered with optree (functe namespace) *and* with
+    ``torch.utils._pytree``, so it works with functe's own flattening and with
+    every ``torch.func`` transform. Instances are immutable; use
+    ``dataclasses.replace`` to make an updated copy.
+
+    Example:
+        >>> import torch
+        >>> @pytree_dataclass
+        ... class Pair:
+        ...     a: torch.Tensor
+        ...     b: torch.Tensor
+        >>> g = torch.func.grad(lambda p: (p.a * p.b).sum())(Pair(torch.ones(2), torch.full((2,), 3.0)))
+        >>> g.a.tolist()
+        [3.0, 3.0]
+    """
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    names = tuple(f.name for f in dataclasses.fields(cls))
+
+    def children(obj):
+        return tuple(getattr(obj, n) for n in names)
+
+    def rebuild(_aux, kids):
+        # object.__new__ + setattr skips __init__/__post_init__: torch.func builds
+        # instances whose leaves are ints (vmap in_dims) or None (missing grads).
+        obj = object.__new__(cls)
+        for n, v in zip(names, kids):
+            object.__setattr__(obj, n, v)
+        return obj
+
+    optree.register_pytree_node(
+        cls,
+        lambda obj: (children(obj), None, names),
+        rebuild,
+        namespace=NAMESPACE,
+    )
+    torch_pytree.register_pytree_node(
+        cls,
+        lambda obj: (list(children(obj)), None),
+        lambda kids, aux: rebuild(aux, kids),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+        flatten_with_keys_fn=lambda obj: (
+            [(torch_pytree.GetAttrKey(n), getattr(obj, n)) for n in names],
+            None,
+        ),
+    )
+    return cls

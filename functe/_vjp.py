@@ -1,0 +1,391 @@
+"""``custom_vjp``: define an op by a forward rule and a backward rule, JAX style.
+
+This is the one mechanism every functe op is built on. An op is
+
+* a **forward rule** ``fwd(*args, **static) -> (out, residuals)``: ``args`` are
+  pytrees of tensors (``None`` allowed), ``static`` are keyword-only, hashable,
+  non-differentiable values (a dtype, an eps, an activation name); ``out`` and
+  ``residuals`` are pytrees;
+* a **backward rule** ``bwd(residuals, cotangent, **static) -> tuple``: one
+  cotangent per positional argument, each a pytree matching that argument, with
+  ``None`` meaning zero.
+
+:class:`CustomVJP` turns the pair into an ``autograd.Function`` in the split
+style (``forward`` without ctx, plus ``setup_context``), which is the only style
+``torch.func`` accepts. The design answers the traps measured in
+``docs/design.md``:
+
+* **Pytrees are flattened** to positional tensors before ``apply``: a tensor
+  hidden inside a dict would otherwise silently get a zero gradient.
+* **Residuals are saved by origin.** A residual that *is* an input or an output
+  is saved as that input or output, so autograd can differentiate through it
+  and second derivatives are exact. Any other residual (an intermediate result)
+  is returned from ``forward`` as a non-differentiable extra output. Its
+  dependence on the inputs is invisible to autograd, so when a backward pass
+  with such residuals is itself being differentiated, the cotangents pass
+  through a guard that raises :class:`~functe.TransformError` naming the op:
+  never silent zeros.
+* **Kernels launch only in forward.** Backward rules call ops and kernels
+  (:class:`functe._kernel.Kernel`), which are Functions themselves, so
+  ``torch.func.grad`` (whose backward sees wrapped tensors) works.
+* **vmap** is explicit: the default batching rule runs the *forward rule* under
+  ``torch.vmap``, so an op batches exactly as the ops and kernels it is made of
+  (each with its own rule). ``batching=None`` makes ``vmap`` raise a clear error.
+* **jvp** (forward mode, ``jacfwd``) is the ``torch.func.jvp`` of the forward
+  rule, so it is exact whenever the forward rule is differentiable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._errors import TransformError, describe
+from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
+
+Tensor = torch.Tensor
+
+_IN, _OUT, _NEW, _CONST = 0, 1, 2, 3
+
+
+class _Call:
+    """The non-tensor part of one call: the argument structure and the static values.
+
+    (The op itself is closed over by its Function class: Dynamo cannot carry
+    arbitrary objects through ``autograd.Function.apply`` arguments.)
+    """
+
+    __slots__ = ("in_tree", "static")
+
+    def __init__(self, in_tree: PyTreeSpec, static: dict[str, Any]):
+        self.in_tree = in_tree
+        self.static = static
+
+
+class _Layout:
+    """How forward's flat outputs split into primal outputs and residuals."""
+
+    __slots__ = ("n_new", "n_out", "out_tree", "plan", "res_tree")
+
+    def __init__(self, out_tree, n_out, res_tree, plan, n_new):
+        self.out_tree = out_tree
+        self.n_out = n_out
+        self.res_tree = res_tree
+        self.plan = plan  # per residual leaf: (_IN, i) | (_OUT, j) | (_NEW, k) | (_CONST, value)
+        self.n_new = n_new
+
+
+def _index_of(value: Tensor, candidates) -> int:
+    for i, c in enumerate(candidates):
+        if c is value:
+            return i
+    return -1
+
+
+def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, list, _Layout]:
+    """Run the forward rule on flat leaves; return (out leaves, new residuals, layout)."""
+    args = tree_unflatten(call.in_tree, leaves)
+    result = fwd(*args, **call.static)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(f"functe.{name}: the forward rule must return (out, residuals), got {describe(result)}")
+    out, res = result
+    out_leaves, out_tree = tree_flatten(out)
+    for leaf in out_leaves:
+        if leaf is not None and not isinstance(leaf, Tensor):
+            raise TypeError(f"functe.{name}: forward outputs must be tensors or None, got {describe(leaf)}")
+    res_leaves, res_tree = tree_flatten(res)
+    plan, new = [], []
+    for r in res_leaves:
+        if not isinstance(r, Tensor):
+            plan.append((_CONST, r))
+        elif (i := _index_of(r, leaves)) >= 0:
+            plan.append((_IN, i))
+        elif (j := _index_of(r, out_leaves)) >= 0:
+            plan.append((_OUT, j))
+        elif (k := _index_of(r, new)) >= 0:
+            plan.append((_NEW, k))
+        else:
+            plan.append((_NEW, len(new)))
+            new.append(r)
+    # An output that is an input object would make autograd treat the op as
+    # an in-place one; a view keeps the op functional and costs nothing.
+    out_leaves = [o.view_as(o) if isinstance(o, Tensor) and _index_of(o, leaves) >= 0 else o for o in out_leaves]
+    layout = _Layout(out_tree, len(out_leaves), res_tree, tuple(plan), len(new))
+    return out_leaves, new, layout
+
+
+class CustomVJP:
+    """An op defined by a forward and a backward rule (see the module docstring).
+
+    Args:
+        name: the op's name, used in errors, traces and profiles.
+        fwd: ``fwd(*args, **static) -> (out, residuals)``.
+        bwd: ``bwd(residuals, cotangent, **static) -> tuple`` (one entry per positional arg).
+        symbolic_zeros: pass ``None`` to ``bwd`` for outputs whose cotangent is
+            zero (unused outputs) instead of materialising zeros.
+        batching: ``"forward"`` (vmap runs the forward rule batched) or ``None``
+            (vmap raises :class:`~functe.TransformError`).
+
+    Example:
+        >>> import torch
+        >>> def fwd(x, *, s):
+        ...     return x * s, None
+        >>> def bwd(res, g, *, s):
+        ...     return (g * s,)
+        >>> scale = CustomVJP("scale", fwd, bwd)
+        >>> torch.func.grad(lambda x: scale(x, s=3.0).sum())(torch.ones(2)).tolist()
+        [3.0, 3.0]
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fwd: Callable[..., tuple[Any, Any]],
+        bwd: Callable[..., tuple],
+        *,
+        symbolic_zeros: bool = False,
+        batching: str | None = "forward",
+    ):
+        if batching not in ("forward", None):
+            raise ValueError(f"custom_vjp {name}: batching must be 'forward' or None, got {batching!r}")
+        self.name = name
+        self.fwd = fwd
+        self.bwd = bwd
+        self.symbolic_zeros = symbolic_zeros
+        self.batching = batching
+        self.function = _make_function(name, fwd, bwd, symbolic_zeros, batching, forward_mode=True)
+        # Dynamo refuses Functions that define ``jvp``; compiled code gets a
+        # twin class without it (forward-mode AD is not traced by compile).
+        self.compiled_function = _make_function(name, fwd, bwd, symbolic_zeros, batching, forward_mode=False)
+
+    def __call__(self, *args, **static):
+        leaves, in_tree = tree_flatten(args)
+        function = self.function
+        if torch.compiler.is_compiling():
+            _refuse_compiled_transforms(self.name)
+            function = self.compiled_function
+        results = function.apply(_Call(in_tree, static), *leaves)
+        layout = results[-1]
+        return tree_unflatten(layout.out_tree, results[: layout.n_out])
+
+    def __repr__(self):
+        return f"custom_vjp({self.name})"
+
+
+def custom_vjp(
+    name: str,
+    fwd: Callable[..., tuple[Any, Any]],
+    bwd: Callable[..., tuple],
+    *,
+    symbolic_zeros: bool = False,
+    batching: str | None = "forward",
+) -> CustomVJP:
+    """Define an op from a forward rule and a backward rule (see :class:`CustomVJP`).
+
+    Example:
+        >>> import torch
+        >>> def cube_fwd(x):
+        ...     return x**3, x          # residual: the input itself
+        >>> def cube_bwd(x, g):
+        ...     return (3 * x**2 * g,)
+        >>> cube = custom_vjp("cube", cube_fwd, cube_bwd)
+        >>> x = torch.tensor([2.0])
+        >>> torch.func.grad(lambda x: cube(x).sum())(x).item()
+        12.0
+        >>> torch.func.grad(lambda x: torch.func.grad(lambda x: cube(x).sum())(x).sum())(x).item()
+        12.0
+    """
+    return CustomVJP(name, fwd, bwd, symbolic_zeros=symbolic_zeros, batching=batching)
+
+
+def _refuse_compiled_transforms(name: str) -> None:
+    """Keep ``torch.compile(torch.func.grad(f))`` from silently dropping backward rules.
+
+    In torch 2.13 Dynamo traces through ``torch.func`` transforms and ignores a
+    Function's custom backward (pytorch#193279), which would silently replace
+    functe's backward rules (FP8 state updates included) by the derivative of
+    the forward. Asking for the functorch level here makes Dynamo stop: with
+    ``fullgraph=False`` it breaks the graph and the op runs eagerly (correct),
+    with ``fullgraph=True`` it raises. Outside any transform the call folds to
+    ``None`` and costs nothing. If Dynamo ever evaluates it inside a transform,
+    the explicit error below takes over. See docs/design.md.
+    """
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise TransformError(
+            f"functe.{name}: torch.compile of a torch.func transform would drop custom backward rules "
+            "(pytorch#193279); compile the loss and take gradients outside it with torch.autograd.grad"
+        )
+
+
+class _HigherOrderGuard(torch.autograd.Function):
+    """Identity whose backward raises: marks cotangents that are not differentiable further."""
+
+    @staticmethod
+    def forward(name, *tensors):
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.name = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise TransformError(
+            f"functe.{ctx.name}: second-order derivatives are not supported: its backward rule uses "
+            "intermediate results of the forward pass, whose dependence on the inputs autograd cannot see. "
+            "Differentiate through the unfused reference instead, or define the op so that its residuals "
+            "are only its inputs and outputs."
+        )
+
+    @staticmethod
+    def vmap(info, in_dims, name, *tensors):
+        return tuple(t.view_as(t) for t in tensors), tuple(in_dims[1:])
+
+
+def _guard(name: str, flat: list) -> list:
+    positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor)]
+    if not positions:
+        return flat
+    guarded = _HigherOrderGuard.apply(name, *(flat[i] for i in positions))
+    flat = list(flat)
+    for i, t in zip(positions, guarded):
+        flat[i] = t
+    return flat
+
+
+def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list:
+    arg_trees = call.in_tree.children()
+    if not isinstance(cts, tuple) or len(cts) != len(arg_trees):
+        raise TypeError(
+            f"functe.{name}: the backward rule must return a tuple of {len(arg_trees)} cotangents "
+            f"(one per positional argument), got {describe(cts)}"
+            + (f" of length {len(cts)}" if isinstance(cts, tuple) else "")
+        )
+    flat: list = []
+    for index, (tree, ct) in enumerate(zip(arg_trees, cts)):
+        if ct is None:
+            flat.extend([None] * tree.num_leaves)
+            continue
+        ct_leaves, ct_tree = tree_flatten(ct)
+        if ct_tree != tree:
+            raise TypeError(
+                f"functe.{name}: cotangent {index} from the backward rule has structure {ct_tree}, "
+                f"expected the argument's structure {tree}"
+            )
+        flat.extend(ct_leaves)
+    for index, (ct, meta) in enumerate(zip(flat, in_meta)):
+        if ct is None:
+            continue
+        if meta is None or not isinstance(ct, Tensor) or ct.shape != meta[0] or ct.dtype != meta[1]:
+            expected = "None" if meta is None else describe(torch.empty(meta[0], dtype=meta[1], device="meta"))
+            raise TypeError(
+                f"functe.{name}: the backward rule returned {describe(ct)} for input leaf {index}, expected {expected}"
+            )
+    return flat
+
+
+def _make_function(
+    name: str, fwd: Callable, bwd: Callable, symbolic_zeros: bool, batching: str | None, *, forward_mode: bool
+) -> type[torch.autograd.Function]:
+    # The staticmethods close over plain functions and values only: Dynamo
+    # cannot rebuild arbitrary objects (such as the CustomVJP) inside the
+    # autograd.Function it traces.
+    def forward(call, *leaves):
+        out_leaves, new, layout = _run_forward(name, fwd, call, leaves)
+        return (*out_leaves, *new, layout)
+
+    def setup_context(ctx, inputs, output):
+        call, leaves = inputs[0], inputs[1:]
+        layout = output[-1]
+        outs = output[: layout.n_out]
+        new = output[layout.n_out : layout.n_out + layout.n_new]
+        sources = {_IN: leaves, _OUT: outs, _NEW: new}
+        ctx.save_for_backward(*(sources[kind][i] for kind, i in layout.plan if kind != _CONST))
+        if forward_mode:
+            ctx.save_for_forward(*(t for t in leaves if isinstance(t, Tensor)))
+        if new:
+            ctx.mark_non_differentiable(*new)
+        ctx.set_materialize_grads(False)
+        ctx.call = call
+        ctx.layout = layout
+        ctx.in_meta = [(t.shape, t.dtype) if isinstance(t, Tensor) else None for t in leaves]
+        ctx.out_meta = [(t.shape, t.dtype, t.device) if isinstance(t, Tensor) else None for t in outs]
+        ctx.leaf_is_tensor = [isinstance(t, Tensor) for t in leaves]
+        ctx.const_leaves = [None if isinstance(t, Tensor) else t for t in leaves]
+
+    def backward(ctx, *grads):
+        call, layout = ctx.call, ctx.layout
+        saved = iter(ctx.saved_tensors)
+        res_leaves = [value if kind == _CONST else next(saved) for kind, value in layout.plan]
+        residuals = tree_unflatten(layout.res_tree, res_leaves)
+        out_cts = list(grads[: layout.n_out])
+        if not symbolic_zeros:
+            for i, (g, meta) in enumerate(zip(out_cts, ctx.out_meta)):
+                if g is None and meta is not None:
+                    out_cts[i] = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
+        cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **call.static)
+        flat = _flatten_cotangents(name, call, cts, ctx.in_meta)
+        if layout.n_new and torch.is_grad_enabled():
+            flat = _guard(name, flat)
+        return (None, *flat)
+
+    def jvp(ctx, *tangents):
+        call, layout = ctx.call, ctx.layout
+        primals = ctx.saved_tensors
+        positions = [i for i, is_t in enumerate(ctx.leaf_is_tensor) if is_t]
+        diff = [k for k, p in enumerate(primals) if p.is_floating_point()]
+
+        def out_only(*values):
+            leaves = list(ctx.const_leaves)
+            for k, i in enumerate(positions):
+                leaves[i] = primals[k]
+            for k, v in zip(diff, values):
+                leaves[positions[k]] = v
+            out_leaves, _, _ = _run_forward(name, fwd, call, leaves)
+            return tuple(o for o in out_leaves if o is not None)
+
+        tans = tuple(
+            torch.zeros_like(primals[k]) if tangents[1 + positions[k]] is None else tangents[1 + positions[k]]
+            for k in diff
+        )
+        _, out_tangents = torch.func.jvp(out_only, tuple(primals[k] for k in diff), tans)
+        it = iter(out_tangents)
+        result = [None if meta is None else next(it) for meta in ctx.out_meta]
+        return (*result, *([None] * layout.n_new), None)
+
+    def vmap(info, in_dims, call, *leaves):
+        if batching is None:
+            raise TransformError(f"functe.{name} has no batching rule: it cannot be used under torch.func.vmap")
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        captured = {}
+
+        def batched_forward(*tensors):
+            full = list(leaves)
+            for i, t in zip(positions, tensors):
+                full[i] = t
+            out_leaves, new, layout = _run_forward(name, fwd, call, full)
+            captured["layout"] = layout
+            captured["none_outputs"] = [o is None for o in out_leaves]
+            return (*(o for o in out_leaves if o is not None), *new)
+
+        dims = tuple(in_dims[1 + i] for i in positions)
+        flat = torch.vmap(batched_forward, in_dims=dims, out_dims=0)(*(leaves[i] for i in positions))
+        layout, none_outputs = captured["layout"], captured["none_outputs"]
+        it = iter(flat)
+        out_leaves = [None if is_none else next(it) for is_none in none_outputs]
+        new = list(it)
+        outputs = (*out_leaves, *new, layout)
+        out_dims = (*(None if o is None else 0 for o in out_leaves), *([0] * len(new)), None)
+        return outputs, out_dims
+
+    methods = {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+        "vmap": staticmethod(vmap),
+    }
+    if forward_mode:
+        methods["jvp"] = staticmethod(jvp)
+    return type(name, (torch.autograd.Function,), methods)

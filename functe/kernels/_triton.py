@@ -1,0 +1,100 @@
+"""Triton glue: a ``jit`` that can run one kernel compiled *or* interpreted, and launch helpers.
+
+Triton decides at decoration time whether ``@triton.jit`` builds a compiled
+``JITFunction`` or an ``InterpretedFunction`` (the ``TRITON_INTERPRET`` knob),
+and an interpreted kernel cannot call a compiled helper. functe switches
+backends at run time (:mod:`functe._backend`), so :func:`jit` builds the normal
+``JITFunction`` and retypes it to :class:`_SwitchableJIT`, which launches
+through the interpreter when ``functe`` is in ``"interpret"`` mode and acts as
+an interpreted device function when an interpreted kernel calls it. Compiled
+launches (GPU) take the unmodified ``JITFunction`` path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.runtime.jit import JITFunction
+
+from .._backend import interpreting
+
+
+class _SwitchableJIT(JITFunction):
+    """A ``JITFunction`` that defers to an ``InterpretedFunction`` in interpret mode."""
+
+    def _interpreted(self):
+        fn = self.__dict__.get("_functe_interpreted")
+        if fn is None:
+            # Imported lazily: Triton's interpreter needs numpy, which GPU users may lack.
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _make_triton_library_switchable()
+            fn = InterpretedFunction(self.fn)
+            self.__dict__["_functe_interpreted"] = fn
+        return fn
+
+    def __getitem__(self, grid):
+        if interpreting():
+            return self._interpreted()[grid]
+        return super().__getitem__(grid)
+
+    def __call__(self, *args, **kwargs):
+        # Only reached as a device-function call from an interpreted kernel:
+        # compiled kernels inline helpers without calling them from Python.
+        return self._interpreted()(*args, **kwargs)
+
+
+_library_switchable = False
+
+
+def _make_triton_library_switchable() -> None:
+    """Let Triton's own ``@jit`` library functions (``tl.sum``, ``tl.sigmoid``,
+    ``tl.randint``...) run inside interpreted kernels.
+
+    Triton builds them at import time as compiled ``JITFunction`` s unless
+    ``TRITON_INTERPRET=1`` was set before the import. Retyping them to
+    :class:`_SwitchableJIT` changes only what a *Python* call does (compiled
+    kernels never call them from Python), so compiled GPU launches are unaffected.
+    """
+    global _library_switchable
+    if _library_switchable:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("triton.language"):
+            continue
+        for value in list(vars(module).values()):
+            if type(value) is JITFunction:
+                value.__class__ = _SwitchableJIT
+    _library_switchable = True
+
+
+def jit(fn):
+    """``triton.jit`` for functe kernels and device helpers (see the module docstring)."""
+    kernel = triton.jit(fn)
+    if isinstance(kernel, JITFunction):
+        kernel.__class__ = _SwitchableJIT
+    # With TRITON_INTERPRET=1 set by the user, Triton already returns an
+    # InterpretedFunction; it then runs interpreted everywhere, as asked.
+    return kernel
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (and >= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def row_launch(n_cols: int, *, max_block: int = 65536) -> tuple[int, int]:
+    """Block size and warps for a one-row-per-program kernel over ``n_cols`` columns.
+
+    The whole row lives in registers, so the block is the next power of two;
+    wide rows get more warps to keep the per-thread register load bounded.
+    """
+    block = next_power_of_2(n_cols)
+    if block > max_block:
+        raise ValueError(f"row of {n_cols} elements exceeds the {max_block}-element single-pass limit")
+    warps = 4 if block < 2048 else 8 if block < 8192 else 16
+    return block, warps
+
+
+ELEMENTWISE_BLOCK = 1024

@@ -1,0 +1,43 @@
+"""Shared fixtures: deterministic seeds and the backend parametrisation.
+
+Tests that take the ``backend`` fixture run once with the PyTorch twins and
+once with the Triton kernels through Triton's interpreter, so every kernel is
+checked on a CPU-only machine. With a GPU, ``FUNCTE_TEST_CUDA=1`` adds a CUDA
+run of the same tests.
+"""
+
+import os
+
+import pytest
+import torch
+
+import functe
+
+_BACKENDS = ["torch", "interpret"]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=_BACKENDS)
+def backend(request):
+    with functe.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def device():
+    if os.environ.get("FUNCTE_TEST_CUDA") == "1" and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,132 @@
+"""Helpers shared by the op tests: input makers and the torch.func transform suite."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
+
+import functe
+from functe.testing import assert_close
+
+F64 = torch.float64
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make(shape, dtype=torch.float32, *, scale=1.0, device="cpu", kind="normal"):
+    """A test input: normal values (negative included) times ``scale``, rounded to ``dtype``."""
+    if kind == "normal":
+        t = torch.randn(shape, dtype=F64) * scale
+    elif kind == "zeros":
+        t = torch.zeros(shape, dtype=F64)
+    elif kind == "large":
+        t = torch.randn(shape, dtype=F64) * 1e3
+    else:
+        raise ValueError(kind)
+    return t.to(dtype).to(device)
+
+
+def as64(*tensors):
+    """The float64 copies a reference computes on (from the already-rounded inputs)."""
+    return tuple(None if t is None else t.detach().to("cpu", F64) for t in tensors)
+
+
+def _loss(fn):
+    # A non-linear scalar head, so gradients are not all ones.
+    def loss(*args):
+        out = fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        return sum((o * torch.sin(o)).sum() for o in outs)
+
+    return loss
+
+
+def _batched(args, size=3):
+    return tuple(a.unsqueeze(0).expand(size, *a.shape) + 0.1 * torch.randn(size, *a.shape, dtype=a.dtype) for a in args)
+
+
+def _same(actual, expected, what):
+    if isinstance(expected, (tuple, list)):
+        assert len(actual) == len(expected), what
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _same(a, e, f"{what}[{i}]")
+    else:
+        assert_close(actual, expected, msg=what)
+
+
+def check_transforms(fn: Callable, ref: Callable, args: Sequence[torch.Tensor], *, higher_order: bool = True):
+    """Check ``fn`` against the pure-torch ``ref`` under every torch.func transform, in float64.
+
+    Covers grad, vjp, vmap, vmap(grad) (all args batched, and only the first),
+    jacrev, jvp, jacfwd, and (if ``higher_order``) grad of grad.
+    """
+    args = tuple(a.to(F64) for a in args)
+    argnums = tuple(range(len(args)))
+    _same(fn(*args), ref(*args), "forward")
+    _same(grad(_loss(fn), argnums=argnums)(*args), grad(_loss(ref), argnums=argnums)(*args), "grad")
+    out, pull = vjp(fn, *args)
+    cot = tuple(torch.randn_like(o) for o in out) if isinstance(out, tuple) else torch.randn_like(out)
+    _, pull_ref = vjp(ref, *args)
+    _same(pull(cot), pull_ref(cot), "vjp")
+    batched = _batched(args)
+    _same(vmap(fn)(*batched), vmap(ref)(*batched), "vmap")
+    g = grad(_loss(fn), argnums=argnums)
+    g_ref = grad(_loss(ref), argnums=argnums)
+    _same(vmap(g)(*batched), vmap(g_ref)(*batched), "vmap(grad)")
+    dims = (0,) + (None,) * (len(args) - 1)
+    _same(
+        vmap(g, in_dims=dims)(batched[0], *args[1:]),
+        vmap(g_ref, in_dims=dims)(batched[0], *args[1:]),
+        "vmap(grad) x only",
+    )
+    _same(jacrev(fn, argnums=argnums)(*args), jacrev(ref, argnums=argnums)(*args), "jacrev")
+    tangents = tuple(torch.randn_like(a) for a in args)
+    _same(jvp(fn, args, tangents)[1], jvp(ref, args, tangents)[1], "jvp")
+    _same(jacfwd(fn, argnums=argnums)(*args), jacfwd(ref, argnums=argnums)(*args), "jacfwd")
+    if higher_order:
+
+        def gsum(f):
+            return lambda *a: sum(t.sum() for t in grad(_loss(f), argnums=argnums)(*a))
+
+        _same(grad(gsum(fn), argnums=argnums)(*args), grad(gsum(ref), argnums=argnums)(*args), "grad(grad)")
+
+
+def gradchecks(fn: Callable, args: Sequence[torch.Tensor], *, second_order: bool = True):
+    """torch.autograd.gradcheck (and gradgradcheck) in float64.
+
+    Through Triton's interpreter every perturbed evaluation is a kernel launch,
+    so there the checks use gradcheck's fast mode (a random projection of the
+    Jacobian, still a real check of every entry's contribution).
+    """
+    args = tuple(a.detach().to(F64).requires_grad_() for a in args)
+    fast = functe.get_backend() == "interpret"
+    assert torch.autograd.gradcheck(fn, args, fast_mode=fast)
+    if second_order:
+        assert torch.autograd.gradgradcheck(fn, args, fast_mode=fast)
+
+
+def check_kernel(kernel, args, reference, *, out_dtypes=None):
+    """Check a :class:`functe._kernel.Kernel`: Triton launcher (interpreted) vs twin vs float64.
+
+    ``reference`` computes the expected results from float64 copies of ``args``
+    (non-tensor arguments are passed through). Both implementations must match
+    it within the dtype tolerance, and each other.
+    """
+    with functe.use_backend("interpret"):
+        triton_out = kernel.launcher(*args)
+    twin_out = kernel.twin(*args)
+    ref_args = [a.detach().to("cpu", F64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    expected = reference(*ref_args)
+    outs = triton_out if isinstance(triton_out, tuple) else (triton_out,)
+    twins = twin_out if isinstance(twin_out, tuple) else (twin_out,)
+    refs = expected if isinstance(expected, tuple) else (expected,)
+    for i, (o, t, r) in enumerate(zip(outs, twins, refs)):
+        assert o.shape == t.shape == r.shape, f"{kernel.name} output {i}: {o.shape} {t.shape} {r.shape}"
+        assert o.dtype == t.dtype, f"{kernel.name} output {i}: {o.dtype} vs twin {t.dtype}"
+        if out_dtypes is not None:
+            assert o.dtype == out_dtypes[i]
+        assert_close(o, t, msg=f"{kernel.name} output {i}: triton vs twin")
+        assert_close(o, r, msg=f"{kernel.name} output {i}: triton vs float64")
+        assert_close(t, r, msg=f"{kernel.name} output {i}: twin vs float64")
+    return triton_out

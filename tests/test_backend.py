@@ -1,0 +1,92 @@
+"""Backend selection and dispatch: twins on CPU, Triton through the interpreter when asked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import functe
+from functe import ops
+from functe.kernels import elementwise
+
+
+def test_default_backend_is_auto_and_switches_nest():
+    assert functe.get_backend() == "auto"
+    with functe.use_backend("interpret"):
+        assert functe.get_backend() == "interpret"
+        with functe.use_backend("torch"):
+            assert functe.get_backend() == "torch"
+        assert functe.get_backend() == "interpret"
+    assert functe.get_backend() == "auto"
+
+
+def test_set_backend_and_bad_names():
+    functe.set_backend("torch")
+    try:
+        assert functe.get_backend() == "torch"
+    finally:
+        functe.set_backend("auto")
+    with pytest.raises(functe.FuncteError, match=r"must be one of \('auto', 'torch', 'interpret'\), got 'cuda'"):
+        functe.set_backend("cuda")
+
+
+def test_environment_variable_selects_the_backend():
+    code = "import functe; print(functe.get_backend())"
+    env = dict(os.environ, FUNCTE_BACKEND="interpret")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "interpret"
+    env["FUNCTE_BACKEND"] = "bogus"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "from FUNCTE_BACKEND must be one of" in bad.stderr
+
+
+def _count_calls(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def counting(*args):
+        calls.append(name)
+        return original(*args)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def test_cpu_runs_the_twin_and_interpret_runs_the_kernel(monkeypatch):
+    x = torch.randn(5, 7)
+    kernel = elementwise.AXPBY
+    twin_calls, launches = [], []
+    monkeypatch.setattr(kernel, "twin", lambda *a: twin_calls.append(1) or elementwise.axpby_ref(*a))
+    original_launch = elementwise._axpby_kernel.__class__.__getitem__
+    monkeypatch.setattr(
+        elementwise._axpby_kernel.__class__,
+        "__getitem__",
+        lambda self, grid: launches.append(1) or original_launch(self, grid),
+    )
+    y_twin = ops.constant_scale(x, 3.0)
+    assert twin_calls and not launches
+    with functe.use_backend("interpret"):
+        y_kernel = ops.constant_scale(x, 3.0)
+    assert launches
+    assert torch.equal(y_twin, y_kernel)
+
+
+def test_kernels_are_opaque_custom_ops_with_twin_fake_impls():
+    x = torch.randn(4, 6)
+    with functe.use_backend("interpret"):  # on CPU a direct launch needs the interpreter
+        torch.testing.assert_close(torch.ops.functe.axpby.default(x, None, 2.0, 0.0), 2 * x)
+    with torch._subclasses.FakeTensorMode():
+        fake = torch.empty(4, 6)
+        out = torch.ops.functe.bias_grad.default(fake)
+        assert out.shape == (6,)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_run_triton():
+    x = torch.randn(64, 33, device="cuda")
+    b = torch.randn(33, device="cuda")
+    torch.testing.assert_close(ops.bias(x, b), x + b)

@@ -1,0 +1,196 @@
+"""Core ops: values and gradients vs float64 references, on both backends, and every transform."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import FLOATS, as64, check_transforms, gradchecks, make
+
+import functe
+from functe import ops
+from functe.testing import assert_close
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    fn: Callable  # the functe op under test
+    ref: Callable  # a plain-torch reference written from the op's formula
+    shapes: tuple  # argument shapes
+
+
+def _linear_ref(x, w, b):
+    return x @ w.T + b
+
+
+CASES = [
+    Case("linear", lambda x, w, b: ops.linear(x, w, b), _linear_ref, ((2, 13), (7, 13), (7,))),
+    Case("linear_3d", lambda x, w, b: ops.linear(x, w, b), _linear_ref, ((32, 1, 32), (5, 32), (5,))),
+    Case("linear_nobias", lambda x, w: ops.linear(x, w), lambda x, w: x @ w.T, ((37,), (3, 37))),
+    Case("linear_empty", lambda x, w, b: ops.linear(x, w, b), _linear_ref, ((0, 13), (4, 13), (4,))),
+    Case("bias", lambda x, b: ops.bias(x, b), lambda x, b: x + b, ((2, 13), (13,))),
+    Case("bias_3d", lambda x, b: ops.bias(x, b), lambda x, b: x + b, ((32, 1, 32), (32,))),
+    Case("bias_empty", lambda x, b: ops.bias(x, b), lambda x, b: x + b, ((0, 13), (13,))),
+    Case("add_extra_input", lambda x, e: ops.add_extra_input(x, e), lambda x, e: x + e, ((2, 13), (2, 13))),
+    Case("add_extra_input_1d", lambda x, e: ops.add_extra_input(x, e), lambda x, e: x + e, ((37,), (37,))),
+    Case("make_extra_output", lambda x: ops.make_extra_output(x), lambda x: (x, x), ((2, 13),)),
+    Case("constant_scale", lambda x: ops.constant_scale(x, -2.5), lambda x: -2.5 * x, ((32, 1, 32),)),
+    Case("constant_scale_zero", lambda x: ops.constant_scale(x, 0.0), lambda x: 0.0 * x, ((37,),)),
+    Case("constant_scale_0d", lambda x: ops.constant_scale(x, 3.5), lambda x: 3.5 * x, ((),)),
+    Case("identity", lambda x: ops.identity(x), lambda x: x, ((2, 13),)),
+    Case("reshape", lambda x: ops.reshape(x, (13, -1)), lambda x: x.reshape(13, -1), ((2, 13),)),
+]
+IDS = [c.name for c in CASES]
+
+
+def _outputs_and_vjp(fn, args, cotangents=None):
+    """Outputs of ``fn`` and its VJP with random cotangents (drawn in the output dtype).
+
+    The float64 reference reuses the same, already rounded, cotangents, so the
+    comparison measures only the op's own arithmetic.
+    """
+    args = [a.detach().requires_grad_() for a in args]
+    out = fn(*args)
+    outs = out if isinstance(out, tuple) else (out,)
+    if cotangents is None:
+        cotangents = [make(o.shape, o.dtype, device=o.device) for o in outs]
+    grads = torch.autograd.grad(outs, args, [c.to(o.dtype) for c, o in zip(cotangents, outs)])
+    return outs, grads, cotangents
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_values_and_grads_vs_float64(case, dtype, backend, device):
+    args = [make(s, dtype, device=device) for s in case.shapes]
+    outs, grads, cotangents = _outputs_and_vjp(case.fn, args)
+    ref_outs, ref_grads, _ = _outputs_and_vjp(case.ref, as64(*args), as64(*cotangents))
+    for o, r in zip(outs, ref_outs):
+        assert o.dtype == dtype and o.shape == r.shape
+        assert_close(o, r, msg=f"{case.name} output")
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert g.dtype == dtype, f"{case.name} grad {i} dtype {g.dtype}"
+        assert_close(g, r, msg=f"{case.name} grad {i}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_torch_func_transforms(case, backend):
+    args = [make(s, torch.float64) for s in case.shapes]
+    if any(a.numel() == 0 for a in args):
+        pytest.skip("jacobians of empty tensors are empty")
+    check_transforms(case.fn, case.ref, args)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gradcheck(case, backend):
+    args = [make(s, torch.float64) for s in case.shapes]
+    gradchecks(case.fn, args)
+
+
+def test_functional_call_and_grad_and_value(backend):
+    """functional_call over a params dict; grad_and_value(has_aux=True) vs autograd."""
+    module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    x = make((5, 6), torch.float64)
+
+    def forward(p, x):
+        h = ops.linear(x, p["0.weight"], p["0.bias"])
+        return ops.linear(torch.tanh(h), p["2.weight"], p["2.bias"])
+
+    def loss(p, x):
+        out = forward(p, x)
+        return (out**2).mean(), {"mean": out.mean()}
+
+    grads, (value, aux) = torch.func.grad_and_value(loss, has_aux=True)(params, x)
+    expected = torch.func.functional_call(module, params, (x,))
+    assert_close(forward(params, x), expected)
+    ref_params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    ref_loss = (torch.func.functional_call(module, ref_params, (x,)) ** 2).mean()
+    ref_grads = torch.autograd.grad(ref_loss, list(ref_params.values()))
+    assert_close(value, ref_loss)
+    assert_close(aux["mean"], expected.mean())
+    for (name, g), r in zip(grads.items(), ref_grads):
+        assert_close(g, r, msg=name)
+    # per-example gradients: vmap(grad) over the batch, params shared
+    per_example = torch.func.vmap(torch.func.grad(lambda p, x: loss(p, x[None])[0]), in_dims=(None, 0))(params, x)
+    assert per_example["0.weight"].shape == (5, 8, 6)
+    assert_close(per_example["0.weight"].mean(0), grads["0.weight"] * 1.0)
+
+
+def test_add_extra_input_in_place_donates_only_when_invisible():
+    x, extra = torch.ones(4), torch.full((4,), 2.0)
+    with torch.no_grad():
+        y = ops.add_extra_input(x, extra, in_place=True)
+    assert y.data_ptr() == extra.data_ptr() and y.tolist() == [3.0] * 4
+    # Under autograd the caller's buffer is left alone and gradients flow to both inputs.
+    x, extra = torch.ones(4, requires_grad=True), torch.full((4,), 2.0, requires_grad=True)
+    y = ops.add_extra_input(x, extra, in_place=True)
+    assert y.data_ptr() != extra.data_ptr() and extra.tolist() == [2.0] * 4
+    gx, ge = torch.autograd.grad(y.sum(), (x, extra))
+    assert gx.tolist() == ge.tolist() == [1.0] * 4
+    # Under torch.func.grad too.
+    g = torch.func.grad(lambda e: ops.add_extra_input(torch.ones(4), e, in_place=True).sum())(torch.zeros(4))
+    assert g.tolist() == [1.0] * 4
+
+
+def test_make_extra_output_unused_branch_gives_plain_gradient(backend):
+    x = make((3, 5), torch.float64)
+    g = torch.func.grad(lambda x: (ops.make_extra_output(x)[0] * 3).sum())(x)
+    assert torch.equal(g, torch.full_like(x, 3.0))
+
+
+def test_non_contiguous_and_stride0_cotangents(backend):
+    """The gradient of .sum() arrives as a stride-0 tensor; transposed inputs are non-contiguous."""
+    x = make((13, 6), torch.float32).t()  # non-contiguous (6, 13)
+    b = make((13,), torch.float32)
+    g = torch.func.grad(lambda x, b: ops.bias(x, b).sum(), argnums=(0, 1))(x, b)
+    assert torch.equal(g[0], torch.ones_like(x)) and torch.equal(g[1], torch.full_like(b, 6.0))
+    y = ops.constant_scale(x, 2.0)
+    assert_close(y, 2.0 * x.double())
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_linear_rejects_wrong_in_features():
+    with pytest.raises(
+        functe.ShapeError, match=r"functe\.linear: argument 'weight' expected f32\[\?,16\], got f32\[8,15\]"
+    ):
+        ops.linear(torch.zeros(4, 16), torch.zeros(8, 15))
+
+
+def test_linear_rejects_dtype_mismatch_and_bias_shape():
+    with pytest.raises(
+        functe.DTypeError, match=r"'weight' expected dtype f32 to match 'x' f32\[4,16\], got bf16\[8,16\]"
+    ):
+        ops.linear(torch.zeros(4, 16), torch.zeros(8, 16, dtype=torch.bfloat16))
+    with pytest.raises(functe.ShapeError, match=r"'bias' expected f32\[8\], got f32\[16\]"):
+        ops.linear(torch.zeros(4, 16), torch.zeros(8, 16), torch.zeros(16))
+    with pytest.raises(functe.DTypeError, match=r"'x' expected dtype f32\|f16\|bf16\|f64, got i64\[4,16\]"):
+        ops.linear(torch.zeros(4, 16, dtype=torch.long), torch.zeros(8, 16))
+
+
+def test_device_mismatch_error():
+    x = torch.zeros(2, 3)
+    meta = torch.zeros(3, device="meta")
+    with pytest.raises(
+        functe.DeviceError, match=r"functe\.bias: arguments must share one device, got 'x' on cpu, 'b' on meta"
+    ):
+        ops.bias(x, meta)
+
+
+def test_other_argument_errors():
+    with pytest.raises(functe.ShapeError, match=r"functe\.bias: argument 'b' expected f32\[13\], got f32\[12\]"):
+        ops.bias(torch.zeros(2, 13), torch.zeros(12))
+    with pytest.raises(functe.ShapeError, match=r"'extra' expected f32\[2,13\], got f32\[13\]"):
+        ops.add_extra_input(torch.zeros(2, 13), torch.zeros(13))
+    with pytest.raises(functe.ShapeError, match=r"functe\.reshape: argument 'shape' expected a shape with 26 elements"):
+        ops.reshape(torch.zeros(2, 13), (5, -1))
+    with pytest.raises(
+        TypeError, match=r"functe\.constant_scale: argument 'scale' expected a Python number, got Tensor"
+    ):
+        ops.constant_scale(torch.zeros(2), torch.tensor(2.0))
+    with pytest.raises(functe.FuncteError):  # the family catches every class
+        ops.linear(torch.zeros(4, 16), torch.zeros(8, 15))

@@ -1,0 +1,63 @@
+"""Elementwise/bias kernels: Triton (interpreted) vs twin vs float64, odd shapes, specials."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import F64, FLOATS, check_kernel, make
+
+import functe
+from functe.kernels import elementwise
+
+SHAPES = [(37,), (2, 13), (32, 1, 32), (0, 13), (3, 1)]
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, F64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_axpby(shape, dtype):
+    x, e = make(shape, dtype), make(shape, dtype)
+    check_kernel(elementwise.AXPBY, (x, e, -2.5, 0.5), lambda x, e, a, b: a * x + b * e)
+    check_kernel(elementwise.AXPBY, (x, None, 3.5, 0.0), lambda x, e, a, b: a * x)
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, F64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_bias(shape, dtype):
+    x, b = make(shape, dtype), make(shape[-1:], dtype)
+    check_kernel(elementwise.ADD_BIAS, (x, b), lambda x, b: x + b)
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, F64])
+@pytest.mark.parametrize("shape", [*SHAPES, (600, 5)])
+def test_bias_grad_is_the_fp32_sum_over_leading_dims(shape, dtype):
+    dy = make(shape, dtype)
+    check_kernel(elementwise.BIAS_GRAD, (dy,), lambda dy: dy.reshape(-1, dy.shape[-1]).sum(0))
+
+
+def test_bias_grad_is_deterministic_and_uses_many_programs():
+    dy = make((5000, 3), torch.float32)
+    with functe.use_backend("interpret"):
+        first = elementwise.bias_grad(dy)
+        second = elementwise.bias_grad(dy)
+    assert torch.equal(first, second)
+
+
+def test_zeros_large_values_and_non_contiguous_inputs():
+    x = make((7, 9), torch.bfloat16, kind="large").t()
+    e = make((9, 7), torch.bfloat16, kind="zeros")
+    check_kernel(elementwise.AXPBY, (x, e, 1.0, 1.0), lambda x, e, a, b: x + e)
+    dy = make((9, 7), torch.float32).expand(4, 9, 7)  # stride 0, as the gradient of .sum() arrives
+    check_kernel(elementwise.BIAS_GRAD, (dy,), lambda dy: dy.reshape(-1, 7).sum(0))
+
+
+def test_inf_and_nan_propagate_identically():
+    x = torch.tensor([[1.0, float("inf"), float("nan"), -float("inf")]])
+    b = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    with functe.use_backend("interpret"):
+        y = elementwise.add_bias(x, b)
+        s = elementwise.axpby(x, None, -2.0, 0.0)
+        db = elementwise.bias_grad(torch.cat([x, x]))
+    assert torch.equal(y.isnan(), elementwise.add_bias_ref(x, b).isnan())
+    assert y[0, 1] == float("inf") and y[0, 3] == -float("inf")
+    assert s[0, 1] == -float("inf") and s[0, 2].isnan()
+    assert db[1] == float("inf") and db[2].isnan() and db[3] == -float("inf")

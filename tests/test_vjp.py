@@ -1,0 +1,173 @@
+"""The custom_vjp contract: pytrees, residuals, static args, errors, transforms, higher order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad, jacfwd, jvp, vmap
+
+import functe
+from functe.testing import assert_close
+
+F64 = torch.float64
+
+
+def _dict_scale_fwd(params, x):
+    return params["w"] * x + params["b"], (params["w"], x)
+
+
+def _dict_scale_bwd(res, g):
+    w, x = res
+    return {"w": g * x, "b": g}, g * w
+
+
+dict_scale = functe.custom_vjp("dict_scale", _dict_scale_fwd, _dict_scale_bwd)
+
+
+def test_tensor_inside_a_dict_gets_its_gradient():
+    # A raw autograd.Function would silently give the dict's tensors zero gradient.
+    params = {"w": torch.tensor([2.0, 3.0]), "b": torch.tensor([0.5, 0.5])}
+    x = torch.tensor([4.0, 5.0])
+    gp, gx = grad(lambda p, x: dict_scale(p, x).sum(), argnums=(0, 1))(params, x)
+    assert gp["w"].tolist() == [4.0, 5.0] and gp["b"].tolist() == [1.0, 1.0]
+    assert gx.tolist() == [2.0, 3.0]
+
+
+def test_pytree_dataclass_state_argument_and_cotangent():
+    state = functe.init_scaling_state(4)
+
+    def fwd(x, s):
+        return x * s.scale, s.scale
+
+    def bwd(scale, g):
+        return g * scale, functe.ScalingState(scale=g.sum(), amax_history=None)
+
+    op = functe.custom_vjp("state_scale", fwd, bwd)
+    gx, gs = grad(lambda x, s: op(x, s).sum(), argnums=(0, 1))(torch.ones(3), state)
+    assert gx.tolist() == [1.0, 1.0, 1.0] and isinstance(gs, functe.ScalingState)
+    assert gs.scale.item() == 3.0 and torch.equal(gs.amax_history, torch.zeros(4))
+
+
+def test_static_arguments_are_keyword_only_and_reach_both_rules():
+    seen = []
+
+    def fwd(x, *, power):
+        seen.append(("fwd", power))
+        return x**power, x
+
+    def bwd(x, g, *, power):
+        seen.append(("bwd", power))
+        return (power * x ** (power - 1) * g,)
+
+    op = functe.custom_vjp("power", fwd, bwd)
+    g = grad(lambda x: op(x, power=3).sum())(torch.tensor([2.0]))
+    assert g.item() == 12.0 and seen == [("fwd", 3), ("bwd", 3)]
+
+
+def test_residuals_that_are_outputs_give_exact_second_derivatives():
+    # exp saves its output; d2/dx2 exp(x) = exp(x) flows through the saved output.
+    op = functe.custom_vjp("exp", _exp_fwd, lambda y, g: (g * y,))
+    x = torch.tensor([0.3, -1.2], dtype=F64)
+    g2 = grad(lambda x: grad(lambda x: op(x).sum())(x).sum())(x)
+    assert_close(g2, torch.exp(x))
+
+
+def _exp_fwd(x):
+    y = torch.exp(x)
+    return y, y
+
+
+def _mean_fwd(x):
+    m = x.mean()
+    return x * m, (m, x)  # m is an intermediate: not an input, not an output
+
+
+def _mean_bwd(res, g):
+    m, x = res
+    return (g * m + (g * x).sum() / x.numel(),)
+
+
+xmean = functe.custom_vjp("xmean", _mean_fwd, _mean_bwd)
+
+
+def test_intermediate_residuals_first_order_exact_second_order_refused():
+    x = torch.randn(5, dtype=F64)
+    ref = grad(lambda x: torch.sin(x * x.mean()).sum())(x)
+    assert_close(grad(lambda x: torch.sin(xmean(x)).sum())(x), ref)
+    assert_close(vmap(grad(lambda x: torch.sin(xmean(x)).sum()))(x.expand(2, 5)), ref.expand(2, 5))
+    msg = r"functe\.xmean: second-order derivatives are not supported"
+    with pytest.raises(functe.TransformError, match=msg):
+        grad(lambda x: grad(lambda x: torch.sin(xmean(x)).sum())(x).sum())(x)
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(torch.sin(xmean(xr)).sum(), xr, create_graph=True)
+    with pytest.raises(functe.TransformError, match=msg):
+        g.sum().backward()
+    assert torch.autograd.gradcheck(xmean, (xr,))
+
+
+def test_jvp_and_jacfwd_follow_the_forward_rule():
+    x = torch.randn(4, dtype=F64)
+    t = torch.randn(4, dtype=F64)
+    assert_close(jvp(xmean, (x,), (t,))[1], jvp(lambda x: x * x.mean(), (x,), (t,))[1])
+    assert_close(jacfwd(xmean)(x), jacfwd(lambda x: x * x.mean())(x))
+
+
+def test_symbolic_zeros_pass_none_for_unused_outputs():
+    seen = []
+
+    def fwd(x):
+        return (x * 2, x * 3), None
+
+    def bwd(_, cts):
+        seen.append(tuple(c is None for c in cts))
+        a, b = cts
+        return ((0 if a is None else 2 * a) + (0 if b is None else 3 * b),)
+
+    op = functe.custom_vjp("two_outputs", fwd, bwd, symbolic_zeros=True)
+    g = grad(lambda x: op(x)[1].sum())(torch.ones(2))
+    assert g.tolist() == [3.0, 3.0] and seen == [(True, False)]
+    dense = functe.custom_vjp("two_outputs_dense", fwd, lambda _, cts: (2 * cts[0] + 3 * cts[1],))
+    assert grad(lambda x: dense(x)[0].sum())(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_no_batching_rule_raises_naming_the_op():
+    op = functe.custom_vjp("unbatchable", lambda x: (x * 2, None), lambda _, g: (g * 2,), batching=None)
+    with pytest.raises(functe.TransformError, match=r"functe\.unbatchable has no batching rule"):
+        vmap(op)(torch.ones(3, 2))
+
+
+def test_forward_rule_contract_errors():
+    bad = functe.custom_vjp("bad_fwd", lambda x: x * 2, lambda _, g: (g,))
+    with pytest.raises(
+        TypeError, match=r"functe\.bad_fwd: the forward rule must return \(out, residuals\), got f32\[2\]"
+    ):
+        bad(torch.ones(2))
+    bad_out = functe.custom_vjp("bad_out", lambda x: ((x, 3), None), lambda _, g: (g[0],))
+    with pytest.raises(TypeError, match=r"functe\.bad_out: forward outputs must be tensors or None, got int"):
+        bad_out(torch.ones(2))
+
+
+def test_backward_rule_contract_errors():
+    count = functe.custom_vjp("bad_count", lambda x, y: (x + y, None), lambda _, g: (g,))
+    with pytest.raises(TypeError, match=r"functe\.bad_count: the backward rule must return a tuple of 2 cotangents"):
+        grad(lambda x: count(x, x).sum())(torch.ones(2))
+    shape = functe.custom_vjp("bad_shape", lambda x: (x.sum(), None), lambda _, g: (g,))
+    with pytest.raises(
+        TypeError, match=r"functe\.bad_shape: the backward rule returned f32\[\] for input leaf 0, expected f32\[3\]"
+    ):
+        grad(lambda x: shape(x))(torch.ones(3))
+    dtype = functe.custom_vjp("bad_dtype", lambda x: (x * 1, None), lambda _, g: (g.double(),))
+    with pytest.raises(TypeError, match=r"returned f64\[3\] for input leaf 0, expected f32\[3\]"):
+        grad(lambda x: dtype(x).sum())(torch.ones(3))
+    structure = functe.custom_vjp("bad_tree", _dict_scale_fwd, lambda res, g: ({"w": g}, g))
+    with pytest.raises(TypeError, match=r"functe\.bad_tree: cotangent 0 from the backward rule has structure"):
+        grad(lambda p: structure(p, torch.ones(2)).sum())({"w": torch.ones(2), "b": torch.ones(2)})
+
+
+def test_output_aliasing_an_input_stays_functional():
+    op = functe.custom_vjp("passthrough", lambda x: (x, None), lambda _, g: (g,))
+    x = torch.ones(3, requires_grad=True)
+    y = op(x)
+    assert y is not x and y.data_ptr() == x.data_ptr()
+    (g,) = torch.autograd.grad((y * 2).sum(), x)
+    assert g.tolist() == [2.0, 2.0, 2.0]
