@@ -36,13 +36,30 @@ class _SwitchableJIT(JITFunction):
 
     def __getitem__(self, grid):
         if interpreting():
-            return self._interpreted()[grid]
+            return _quiet(self._interpreted()[grid])
         return super().__getitem__(grid)
 
     def __call__(self, *args, **kwargs):
         # Only reached as a device-function call from an interpreted kernel:
         # compiled kernels inline helpers without calling them from Python.
         return self._interpreted()(*args, **kwargs)
+
+
+def _quiet(launch):
+    """Run an interpreted launch with numpy's floating-point warnings off.
+
+    The interpreter computes with numpy, which warns on overflow to inf and on
+    inf - inf; a GPU produces the same IEEE results silently, and kernels rely
+    on them (e.g. ``exp(-x)`` overflowing to inf inside a sigmoid).
+    """
+
+    def run(*args, **kwargs):
+        import numpy
+
+        with numpy.errstate(all="ignore"):
+            return launch(*args, **kwargs)
+
+    return run
 
 
 _library_switchable = False

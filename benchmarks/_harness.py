@@ -1,0 +1,73 @@
+"""Shared benchmark harness: timing, machine description, and ratio tables.
+
+Every benchmark script compares functe with torch eager and torch.compile of
+the same computation *in one run*, prints a table of times and ratios, and can
+append it (with machine and date) to docs/benchmarks.md by hand.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def machine() -> str:
+    """One line naming the machine, library versions and date."""
+    if torch.cuda.is_available():
+        where = torch.cuda.get_device_name()
+    else:
+        cpu = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        where = f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    import triton
+
+    return f"{where}; torch {torch.__version__}, triton {triton.__version__}; {datetime.date.today().isoformat()}"
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, min_time: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in seconds (synchronising the GPU if there is one).
+
+    ``min_time`` repeats until at least that many seconds of samples were taken.
+    """
+    for _ in range(warmup):
+        fn()
+    _sync()
+    samples: list[float] = []
+    while len(samples) < reps or sum(samples) < min_time:
+        start = time.perf_counter()
+        fn()
+        _sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def table(title: str, rows: list[tuple[str, dict[str, float]]], *, baseline: str) -> str:
+    """Format ``rows`` of ``(case, {impl: seconds})`` with ratios ``baseline / impl``.
+
+    A ratio above 1 means ``impl`` is faster than ``baseline``.
+    """
+    impls = list(rows[0][1]) if rows else []
+    header = f"| case | " + " | ".join(f"{i} (ms)" for i in impls)
+    header += " | " + " | ".join(f"{baseline}/{i}" for i in impls if i != baseline) + " |"
+    sep = "|" + "---|" * (1 + len(impls) + len([i for i in impls if i != baseline]))
+    lines = [f"### {title}", "", header, sep]
+    for case, times in rows:
+        cells = [f"{times[i] * 1e3:.3f}" for i in impls]
+        ratios = [f"{times[baseline] / times[i]:.2f}x" for i in impls if i != baseline]
+        lines.append(f"| {case} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
