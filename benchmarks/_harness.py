@@ -12,7 +12,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -62,7 +62,7 @@ def table(title: str, rows: list[tuple[str, dict[str, float]]], *, baseline: str
     A ratio above 1 means ``impl`` is faster than ``baseline``.
     """
     impls = list(rows[0][1]) if rows else []
-    header = f"| case | " + " | ".join(f"{i} (ms)" for i in impls)
+    header = "| case | " + " | ".join(f"{i} (ms)" for i in impls)
     header += " | " + " | ".join(f"{baseline}/{i}" for i in impls if i != baseline) + " |"
     sep = "|" + "---|" * (1 + len(impls) + len([i for i in impls if i != baseline]))
     lines = [f"### {title}", "", header, sep]

@@ -48,7 +48,9 @@ GATED: dict[str, str] = {
 }
 """Gated activation name -> the elementwise activation applied to its first half."""
 
-GELU, QGELU, RELU, SRELU, SILU, SIGMOID = (ACTIVATIONS[n] for n in ("gelu", "qgelu", "relu", "srelu", "silu", "sigmoid"))
+GELU, QGELU, RELU, SRELU, SILU, SIGMOID = (
+    ACTIVATIONS[n] for n in ("gelu", "qgelu", "relu", "srelu", "silu", "sigmoid")
+)
 
 _GELU_K0 = 0.79788456  # sqrt(2/pi), as TE writes it
 _GELU_K1 = 0.03567741  # sqrt(2/pi) * 0.044715
