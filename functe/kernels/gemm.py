@@ -122,6 +122,7 @@ def _gemm_tile(
     ROUND_TO: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT_ACC: tl.constexpr,
     UPCAST: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -172,7 +173,12 @@ def _gemm_tile(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
+        if SPLIT_ACC:
+            # FP8 on Hopper: promote to fp32 after every K block (TE's split accumulator, dgrad/wgrad)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K, out_dtype=COMPUTE)
+        else:
+            # (FP8 on Hopper keeps Triton's fast wgmma accumulation here, as TE's fprop does)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -253,6 +259,7 @@ def _gemm_kernel(
     ROUND_TO: tl.constexpr,
     COMPUTE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT_ACC: tl.constexpr,
     UPCAST: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -270,7 +277,7 @@ def _gemm_kernel(
                 tile, A, B, C, BIAS, RES, PRE, ZIN, G, ROWSUM, AMAX, A_SCALE_INV, B_SCALE_INV, Q_SCALE,
                 M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_rm, stride_rn,
                 stride_zm, stride_zk, alpha, HAS_BIAS, ACT, HAS_RES, STORE_PRE, DACT, STORE_G, ROW_SUM, SCALED,
-                AMAX_OUT, QUANT, FP8_MAX, FP8_MANT, FP8_EMIN, ROUND_TO, COMPUTE, DOT_PRECISION, UPCAST,
+                AMAX_OUT, QUANT, FP8_MAX, FP8_MANT, FP8_EMIN, ROUND_TO, COMPUTE, DOT_PRECISION, SPLIT_ACC, UPCAST,
                 EMULATE_FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
     else:
@@ -278,7 +285,7 @@ def _gemm_kernel(
             tl.program_id(0), A, B, C, BIAS, RES, PRE, ZIN, G, ROWSUM, AMAX, A_SCALE_INV, B_SCALE_INV, Q_SCALE,
             M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_rm, stride_rn,
             stride_zm, stride_zk, alpha, HAS_BIAS, ACT, HAS_RES, STORE_PRE, DACT, STORE_G, ROW_SUM, SCALED,
-            AMAX_OUT, QUANT, FP8_MAX, FP8_MANT, FP8_EMIN, ROUND_TO, COMPUTE, DOT_PRECISION, UPCAST,
+            AMAX_OUT, QUANT, FP8_MAX, FP8_MANT, FP8_EMIN, ROUND_TO, COMPUTE, DOT_PRECISION, SPLIT_ACC, UPCAST,
             EMULATE_FP8, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
 
@@ -331,6 +338,7 @@ def run_gemm(
     amax: bool = False,
     q_scale: Tensor | None = None,
     round_to: torch.dtype | None = None,
+    split_accumulator: bool = False,
 ) -> Tensor | None:
     """Launch ``out = epilogue(alpha·sa·sb·prologue(a) @ b)`` on 2-D ``a [M, K]``, ``b [K, N]`` (any strides).
 
@@ -338,6 +346,8 @@ def run_gemm(
     caller; ``residual`` may be ``out`` itself (each program reads a residual
     tile before writing the same tile). Returns the output's amax (fp32 0-d)
     when ``amax`` (or ``q_scale``, which quantizes ``out`` to its FP8 dtype), else None.
+    ``split_accumulator`` (FP8 operands, Hopper) promotes the accumulation to fp32 after every
+    K block, as TE does for dgrad and wgrad; otherwise Triton's fast FP8 accumulation is kept.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -365,6 +375,7 @@ def run_gemm(
         "ROUND_TO": tl_dtype(round_to or (out.dtype if not quant else torch.float32)),
         "COMPUTE": tl_compute_dtype(a.dtype),
         "DOT_PRECISION": "ieee" if wide else "tf32",
+        "SPLIT_ACC": split_accumulator and a.element_size() == 1,
         "UPCAST": interpret and a.dtype == torch.bfloat16,
         "EMULATE_FP8": interpret,
     }
@@ -637,7 +648,7 @@ def _check_dgrad(op, dy, w, accum, dy_scale_inv, w_scale_inv, out_dtype) -> torc
 def _dgrad_into(dx: Tensor, dy, w, accum, alpha, dy_scale_inv, w_scale_inv, **extra) -> None:
     run_gemm(
         _rows(dy), w, dx, alpha=alpha, a_scale_inv=dy_scale_inv, b_scale_inv=w_scale_inv,
-        residual=None if accum is None else _rows(accum), **extra,
+        residual=None if accum is None else _rows(accum), split_accumulator=True, **extra,
     )  # fmt: skip
 
 
@@ -734,7 +745,7 @@ def _wgrad_into(dw: Tensor, dy, x, accum, alpha, dy_scale_inv, x_scale_inv, **ex
     # dW = dyᵀ @ x: A is dyᵀ, a strided view (no transposed copy), contracted over all rows.
     run_gemm(
         _rows(dy).t(), _rows(x), dw, alpha=alpha, a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv,
-        residual=accum, **extra,
+        residual=accum, split_accumulator=True, **extra,
     )  # fmt: skip
 
 
