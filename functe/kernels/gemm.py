@@ -37,6 +37,15 @@ bits (numpy has no bf16), so bf16 tiles are upcast to fp32 first: exact, since
 a product of two bf16 values fits an fp32 mantissa. FP8 tiles are decoded by
 the interpreter itself (correct for every finite value; it cannot decode NaN or
 inf codes).
+
+Example (on CPU the twins run; ``functe.use_backend("interpret")`` runs the kernel):
+    >>> import torch
+    >>> x, w, b = torch.ones(2, 3), torch.ones(4, 3), torch.full((4,), -3.0)
+    >>> GEMM(x, w, b, None, 2.0, "relu").tolist()  # relu(2·x @ Wᵀ + b)
+    [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
+    >>> dx, g = GEMM_DGRAD_DACT(torch.ones(2, 4), torch.ones(2, 4), w, None, 1.0, "relu")
+    >>> dx.tolist()  # (dy · relu'(z)) @ W
+    [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
 """
 
 from __future__ import annotations
