@@ -383,3 +383,19 @@ def test_cuda_autotuned_kernel_matches_twin(dtype):
     dx_t, g_t = G.gemm_dgrad_dact_ref(r, r, w.to(torch.bfloat16), None, 1.0, "gelu")
     assert_close(g, g_t)
     assert_close(dx, dx_t)
+
+
+def test_compiles_fullgraph_as_opaque_custom_ops():
+    x, w, b, r = make((M, K), torch.float32), make((N, K), torch.float32), make((N,), torch.float32), make((M, N))
+
+    def f(x, w, b, r):
+        y, z = G.GEMM_PREACT(x, w, b, None, -2.5, "gelu")
+        return y, z, G.GEMM_IN_PLACE(x, w, b, r, 1.0, "relu")  # compiled: donation falls back (pure)
+
+    with functe.use_backend("interpret"):
+        eager = f(x, w, b, r.clone())  # eager donates: writes into its residual
+        r_compiled = r.clone()
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, b, r_compiled)
+    for c, e in zip(compiled, eager):
+        assert torch.equal(c, e)
+    assert torch.equal(r_compiled, r)  # compiled code never writes a donated buffer
