@@ -328,6 +328,24 @@ def _strides(t: Tensor | None) -> tuple[int, int]:
     return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
 
 
+def _launcher(a: Tensor, M: int, N: int):
+    """``(kernel[grid], max tiles, fixed config)``: the interpreter's fixed config, or the autotuned GPU kernel."""
+    if interpreting():
+        config = dict(_gemm_configs.INTERPRET)
+        tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+        programs = min(tiles, _gemm_configs.INTERPRET_PROGRAMS) if config["PERSISTENT"] else tiles
+        return _gemm_kernel[(programs,)], tiles, config
+    configs = _gemm_configs.configs_for(a.element_size())
+    bm, bn = _gemm_configs.smallest_tile(configs)
+    sms = _sm_count(a.device)
+
+    def grid(meta):
+        n = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(n, sms) if meta["PERSISTENT"] else n,)
+
+    return _autotuned(a.element_size())[grid], triton.cdiv(M, bm) * triton.cdiv(N, bn), {}
+
+
 def run_gemm(
     a: Tensor,
     b: Tensor,
@@ -364,9 +382,7 @@ def run_gemm(
     want_amax = amax or quant
     if M == 0 or N == 0:
         return torch.zeros((), dtype=torch.float32, device=out.device) if want_amax else None
-    interpret = interpreting()
     fp8_max_value, mant, emin = fp8_format(out.dtype) if quant else (448.0, 3, -6)
-    wide = a.dtype in (torch.float32, torch.float64)
     flags = {
         "HAS_BIAS": bias is not None,
         "ACT": _NO_ACT if activation is None else ACTIVATIONS[activation],
@@ -381,29 +397,15 @@ def run_gemm(
         "FP8_MAX": fp8_max_value,
         "FP8_MANT": mant,
         "FP8_EMIN": emin,
-        "ROUND_TO": tl_dtype(round_to or (out.dtype if not quant else torch.float32)),
+        # what the output is rounded to before its amax is taken (quantized outputs: the unfused dtype)
+        "ROUND_TO": tl_dtype(round_to if quant else out.dtype) if want_amax else tl.float32,
         "COMPUTE": tl_compute_dtype(a.dtype),
-        "DOT_PRECISION": "ieee" if wide else "tf32",
+        "DOT_PRECISION": "ieee" if a.dtype in (torch.float32, torch.float64) else "tf32",
         "SPLIT_ACC": split_accumulator and a.element_size() == 1,
-        "UPCAST": interpret and a.dtype == torch.bfloat16,
-        "EMULATE_FP8": interpret,
+        "UPCAST": interpreting() and a.dtype == torch.bfloat16,
+        "EMULATE_FP8": interpreting(),
     }
-    if interpret:
-        config = dict(_gemm_configs.INTERPRET)
-        tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-        programs = min(tiles, _gemm_configs.INTERPRET_PROGRAMS) if config["PERSISTENT"] else tiles
-        kernel = _gemm_kernel[(programs,)]
-    else:
-        config = {}
-        bm, bn = _gemm_configs.smallest_tile(_gemm_configs.configs_for(a.element_size()))
-        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        sms = _sm_count(a.device)
-
-        def grid(meta):
-            n = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-            return (min(n, sms) if meta["PERSISTENT"] else n,)
-
-        kernel = _autotuned(a.element_size())[grid]
+    kernel, tiles, config = _launcher(a, M, N)
     # Per-tile amax partials, reduced below: deterministic, no atomics. Zeros are
     # neutral for a max of absolute values (and cover tiles a config does not have).
     partials = torch.zeros(tiles if want_amax else 1, dtype=torch.float32, device=out.device)
