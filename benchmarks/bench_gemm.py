@@ -45,7 +45,8 @@ def _eager_linear_residual(x, w, b, r):
 
 def _time(impls: dict[str, Callable], args: tuple, reps: int = 10) -> dict[str, float]:
     """Median seconds of each implementation on the same arguments, in one run."""
-    return {name: bench(functools.partial(fn, *args), reps=reps) for name, fn in impls.items()}
+    # At least a second of samples each: medians of shared CPU machines are noisy otherwise.
+    return {name: bench(functools.partial(fn, *args), reps=reps, min_time=1.0) for name, fn in impls.items()}
 
 
 def _tflops(m: int, n: int, k: int, seconds: float) -> float:
@@ -121,7 +122,7 @@ def bench_dgrad_dgelu() -> str:
         g = torch.ops.aten.gelu_backward(dy, z, approximate="tanh")
         return g @ w, g
 
-    times = {"gelu_bwd+mm": bench(eager), "functe": bench(lambda: G.GEMM_DGRAD_DACT(dy, z, w, None, 1.0, GELU))}
+    times = _time({"gelu_bwd+mm": eager, "functe": lambda: G.GEMM_DGRAD_DACT(dy, z, w, None, 1.0, GELU)}, ())
     return table(f"dgrad with the GELU backward as prologue (T={m}, {n}->{k})", [("dgrad+dgelu", times)],
                  baseline="gelu_bwd+mm")  # fmt: skip
 

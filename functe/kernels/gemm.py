@@ -513,34 +513,34 @@ def check_forward(op, x, w, bias, residual, activation, x_scale_inv, w_scale_inv
 # ----------------------------------------------------------------------------- twin building blocks
 
 
-def mm_ref(a: Tensor, b: Tensor, a_scale_inv: Tensor | None, b_scale_inv: Tensor | None, alpha: float) -> Tensor:
-    """``alpha·sa·sb·(a @ b)`` for 2-D operands: exact upcast, product accumulated in fp32 (fp64 for fp64)."""
+def linear_ref(a: Tensor, b: Tensor, bias: Tensor | None, a_scale_inv, b_scale_inv, alpha: float) -> Tensor:
+    """``alpha·sa·sb·(a @ b) + bias`` for 2-D operands: exact upcast, accumulated in fp32 (fp64 for fp64).
+
+    Without FP8 scales it is one ``addmm`` (BLAS scales the product and adds the bias), except for
+    ``alpha = 0``, where BLAS would skip the product (the kernel keeps IEEE ``0 · inf = NaN``).
+    """
     compute = compute_dtype(a.dtype)
-    acc = torch.mm(a.to(compute), b.to(compute))
+    a, b = a.to(compute), b.to(compute)
+    if bias is not None and a_scale_inv is None and alpha != 0.0:
+        return torch.addmm(bias.to(compute), a, b, alpha=alpha)
+    acc = torch.mm(a, b)
     if alpha != 1.0:
         acc = acc * alpha
     if a_scale_inv is not None:
         acc = acc * (a_scale_inv.reshape(()) * b_scale_inv.reshape(()))
-    return acc
+    return acc if bias is None else acc + bias.to(compute)
 
 
-def epilogue_ref(acc: Tensor, bias: Tensor | None, residual: Tensor | None, activation: str | None):
-    """The forward epilogue on the fp32 accumulator: returns ``(pre_activation, y)``, both unrounded."""
-    z = acc if bias is None else acc + bias.to(acc.dtype)
-    y = z if activation is None else act_fwd_ref(z, activation)
-    if residual is not None:
-        y = y + _rows(residual).to(acc.dtype)
-    return z, y
+def _plus(y: Tensor, other: Tensor | None) -> Tensor:
+    """``y + other`` (a residual or an accumulator, any leading shape) in y's compute dtype."""
+    return y if other is None else y + _rows(other).to(y.dtype)
 
 
 def forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv):
-    """``(pre_activation, y)`` of the forward GEMM as 2-D fp32 (fp64) tensors."""
-    return epilogue_ref(mm_ref(_rows(x), w.t(), x_scale_inv, w_scale_inv, alpha), bias, residual, activation)
-
-
-def _is_plain_linear(x, residual, alpha, activation) -> bool:
-    """Whether the twin is exactly ``F.linear`` (one BLAS call): fp32/fp64, alpha 1, no activation/residual."""
-    return x.dtype in (torch.float32, torch.float64) and residual is None and alpha == 1.0 and activation is None
+    """``(pre_activation, y)`` of the forward GEMM as 2-D fp32 (fp64) tensors, both unrounded."""
+    z = linear_ref(_rows(x), w.t(), bias, x_scale_inv, w_scale_inv, alpha)
+    y = z if activation is None else act_fwd_ref(z, activation)
+    return z, _plus(y, residual)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -594,8 +594,6 @@ def gemm_ref(
 ) -> Tensor:
     """PyTorch twin of :func:`gemm`."""
     out_dtype = check_forward("gemm", x, w, bias, residual, activation, x_scale_inv, w_scale_inv, out_dtype)
-    if _is_plain_linear(x, residual, alpha, activation) and out_dtype == x.dtype:
-        return torch.nn.functional.linear(x, w, bias)
     _, y = forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv)
     return y.to(out_dtype).view(*x.shape[:-1], w.shape[0])
 
@@ -690,7 +688,7 @@ def gemm_dgrad_ref(
 ) -> Tensor:
     """PyTorch twin of :func:`gemm_dgrad`."""
     out_dtype = _check_dgrad("gemm_dgrad", dy, w, accum, dy_scale_inv, w_scale_inv, out_dtype)
-    _, dx = epilogue_ref(mm_ref(_rows(dy), w, dy_scale_inv, w_scale_inv, alpha), None, accum, None)
+    dx = _plus(linear_ref(_rows(dy), w, None, dy_scale_inv, w_scale_inv, alpha), accum)
     return dx.to(out_dtype).view(*dy.shape[:-1], w.shape[1])
 
 
@@ -735,7 +733,7 @@ def gemm_dgrad_dact_ref(
     """PyTorch twin of :func:`gemm_dgrad_dact`."""
     out_dtype = _check_dgrad_dact("gemm_dgrad_dact", dy, z, w, accum, activation)
     g = _dact_ref(dy, z, activation)
-    _, dx = epilogue_ref(mm_ref(_rows(g), w, None, None, alpha), None, accum, None)
+    dx = _plus(linear_ref(_rows(g), w, None, None, None, alpha), accum)
     return dx.to(out_dtype).view(*dy.shape[:-1], w.shape[1]), g
 
 
@@ -787,7 +785,7 @@ def gemm_wgrad_ref(
 ) -> Tensor:
     """PyTorch twin of :func:`gemm_wgrad`."""
     out_dtype = _check_wgrad("gemm_wgrad", dy, x, accum, dy_scale_inv, x_scale_inv, out_dtype)
-    _, dw = epilogue_ref(mm_ref(_rows(dy).t(), _rows(x), dy_scale_inv, x_scale_inv, alpha), None, accum, None)
+    dw = _plus(linear_ref(_rows(dy).t(), _rows(x), None, dy_scale_inv, x_scale_inv, alpha), accum)
     return dw.to(out_dtype)
 
 
@@ -815,7 +813,7 @@ def gemm_wgrad_dbias_ref(
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`gemm_wgrad_dbias`."""
     out_dtype = _check_wgrad("gemm_wgrad_dbias", dy, x, accum, None, None, None)
-    _, dw = epilogue_ref(mm_ref(_rows(dy).t(), _rows(x), None, None, alpha), None, accum, None)
+    dw = _plus(linear_ref(_rows(dy).t(), _rows(x), None, None, None, alpha), accum)
     return dw.to(out_dtype), _bias_grad_ref(dy)
 
 
