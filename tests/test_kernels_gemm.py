@@ -141,7 +141,7 @@ def test_dgrad_with_accumulate_and_alpha(alpha, dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("alpha", [1.0, -2.5])
+@pytest.mark.parametrize("alpha", [1.0, -2.5, 0.0])
 def test_wgrad_and_bias_grad_over_leading_dims(alpha, dtype):
     dy, x = make((2, 19, N), dtype), make((2, 19, K), dtype)
 
