@@ -150,7 +150,8 @@ def _make_function(kernel: Kernel) -> type[torch.autograd.Function]:
 
     def vmap(info, in_dims, *args):
         rule = kernel.batch
-        batched_params = rule is not None and any(in_dims[i] is not None for i in rule.params)
+        # (params beyond the passed arguments are defaulted, hence unbatched)
+        batched_params = rule is not None and any(d is not None for i, d in enumerate(in_dims) if i in rule.params)
         if rule is None or batched_params:
             out = torch.vmap(twin, in_dims=tuple(in_dims))(*args)
         else:
