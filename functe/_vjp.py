@@ -49,6 +49,11 @@ Tensor = torch.Tensor
 
 _IN, _OUT, _NEW, _CONST = 0, 1, 2, 3
 
+# While ``functe.trace`` runs a function, the recorder that turns an op call on
+# traced values into an equation of the op list (see functe._trace); ``None``
+# otherwise. A plain module global: the eager path pays one global lookup.
+_recorder: Callable | None = None
+
 
 class _Call:
     """The non-tensor part of one call: the argument structure and the static values.
@@ -161,6 +166,10 @@ class CustomVJP:
         self.compiled_function = _make_function(name, fwd, bwd, symbolic_zeros, batching, forward_mode=False)
 
     def __call__(self, *args, **static):
+        if _recorder is not None:
+            traced = _recorder(self, args, static)
+            if traced is not NotImplemented:
+                return traced
         leaves, in_tree = tree_flatten(args)
         function = self.function
         if torch.compiler.is_compiling():
