@@ -39,7 +39,7 @@ from ._errors import TraceError, describe
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec
 from ._trace import trace_call, vjp_call
 from ._tree import tree_flatten, tree_leaves, tree_unflatten
-from ._vjp import custom_vjp
+from ._vjp import _guard, custom_vjp
 
 Tensor = torch.Tensor
 
@@ -193,8 +193,11 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
         for e in forward.eqns:
             call = f"{em.glob(e.op.fwd, 'f')}({em.args(e)})"
             if e.phase == "forward":
-                em.emit(f"_o, _r = {call}")
-                em.bind(e, "_o")
+                if e.out_tree == LEAF and e.outputs[0] is not None:
+                    em.emit(f"{em.var(e.outputs[0])}, _r = {call}")
+                else:
+                    em.emit(f"_o, _r = {call}")
+                    em.bind(e, "_o")
                 if keep_residuals and any(o in res_names for o in e.covers):
                     em.emit(f"{', '.join(res_names.get(o, '_') for o in e.covers)}, = _r")
                 continue
@@ -206,12 +209,13 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
                 em.bind(e, "_o")
 
     def outputs(distinct: bool) -> str:
-        seen: set[Var] = set()
+        seen: set[Var] = set(program.inputs)
         items = []
         for a in program.outputs:
             text = em.atom(a)
             if distinct and isinstance(a, Var) and a in seen:
-                text = f"{text}.view_as({text})"  # one tensor returned twice from a Function
+                # A Function must not return an input, or one tensor twice: a view keeps it functional.
+                text = f"{text}.view_as({text})"
             if isinstance(a, Var):
                 seen.add(a)
             items.append(text)
@@ -241,18 +245,23 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
     if res_names:
         em.emit(f"{''.join(f'{n}, ' for n in res_names.values())}= res")
     grads: dict[Var, str] = {}
+    present: set[Var] = set()  # cotangents known not to be None
 
-    def accumulate(v: Var, value: str) -> None:
+    def accumulate(v: Var, value: str, known: bool = False) -> None:
         if v in grads:
             em.emit(f"{grads[v]} = _acc({grads[v]}, {value})")
         else:
             grads[v] = f"g{len(grads)}"
             em.emit(f"{grads[v]} = {value}")
+        if known:
+            present.add(v)
 
-    em.emit("_gs = " + ("(cts,)" if program.out_tree == LEAF else "_leaves(cts)"))
+    # The fused op materialises the output cotangents (symbolic_zeros=False): they are tensors.
+    if program.out_tree != LEAF:
+        em.emit("cts = _leaves(cts)")
     for j, a in enumerate(program.outputs):
         if isinstance(a, Var) and a in live.needs:
-            accumulate(a, f"_gs[{j}]")
+            accumulate(a, "cts" if program.out_tree == LEAF else f"cts[{j}]", known=True)
     for e in live.live:
         items = []
         for v in e.outputs:
@@ -261,7 +270,7 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
                 continue
             meta = em.glob((v.shape, v.dtype, v.device), "m")
             g = grads.get(v)
-            if e.op.symbolic_zeros:
+            if e.op.symbolic_zeros or v in present:
                 items.append(g or "None")
             else:
                 items.append(f"_zeros_or({g}, {meta})" if g else f"_zeros({meta})")
@@ -323,6 +332,9 @@ class Plan:
             f"fused_{name}_bwd", _backward_fwd(backward), functools.partial(_backward_bwd, backward)
         )
         self.op = custom_vjp(f"fused_{name}", namespace["forward"], namespace["bwd"])
+        self.eager = _eager_function(
+            f"fused_{name}_eager", namespace["forward"], backward, namespace["_backward_op"], program.out_tree
+        )
 
     def explain(self) -> str:
         """The op list before and after each rewrite, rules fired and declined (see :func:`explain`)."""
@@ -340,6 +352,53 @@ class Plan:
         kept = ", ".join(e.name for e in self.liveness.residuals)
         lines.append(f"residuals kept for the backward plan: {kept or 'none'}")
         return "\n".join(lines)
+
+
+_SAVED = object()  # marks a residual leaf kept with save_for_backward
+
+
+def _eager_function(name: str, forward: Callable, backward: Callable, backward_op, out_tree) -> Callable:
+    """The fused op for plain eager autograd (no torch.func transform, not compiling).
+
+    Same semantics as the custom_vjp op (``Plan.op``) with a fraction of its
+    per-call cost: an old-style Function binds no signature and the layout of
+    the residuals is known. Intermediate residuals make differentiating the
+    backward raise, through the same guard as custom_vjp.
+    """
+
+    def fwd(ctx, *tensors):
+        out, res = forward(*tensors)
+        out_leaves = tree_leaves(out)
+        res_leaves, res_tree = tree_flatten(res)
+        layout, saved, n_new = [], [], 0
+        for r in res_leaves:
+            if isinstance(r, Tensor):
+                layout.append(_SAVED)
+                saved.append(r)
+                if not (any(r is t for t in tensors) or any(r is o for o in out_leaves)):
+                    n_new += 1
+            else:
+                layout.append(r)
+        ctx.save_for_backward(*saved)
+        ctx.residual_layout = (res_tree, layout, n_new)
+        return tuple(out_leaves)
+
+    def bwd(ctx, *grads):
+        res_tree, layout, n_new = ctx.residual_layout
+        saved = iter(ctx.saved_tensors)
+        res = tree_unflatten(res_tree, [next(saved) if leaf is _SAVED else leaf for leaf in layout])
+        cts = tree_unflatten(out_tree, list(grads))
+        if not torch.is_grad_enabled():
+            return backward(res, cts)
+        grads_in = list(backward_op(res, cts))
+        return tuple(_guard(name, grads_in)) if n_new else tuple(grads_in)
+
+    function = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+
+    def call(*tensors):
+        return tree_unflatten(out_tree, list(function.apply(*tensors)))
+
+    return call
 
 
 def _backward_fwd(backward: Callable) -> Callable:
@@ -384,7 +443,9 @@ class Fused:
         else:
             plan, tensors = self._plan_and_tensors(args, kwargs)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return plan.op(*tensors)
+            if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+                return plan.op(*tensors)  # torch.func transforms and Dynamo need the custom_vjp op
+            return plan.eager(*tensors)
         return plan.infer(*tensors)
 
     def _plan_and_tensors(self, args, kwargs) -> tuple[Plan, list[Tensor]]:
@@ -394,16 +455,13 @@ class Fused:
     def _lookup(self, args, kwargs) -> tuple[int, list[Tensor]]:
         """The plan index for these arguments (tracing on a new signature) and their tensor leaves."""
         leaves, spec = tree_flatten((args, kwargs))
-        key: list[Any] = [spec]
-        tensors = []
-        for leaf in leaves:
-            if isinstance(leaf, Tensor):
-                tensors.append(leaf)
-                key.append((leaf.shape, leaf.dtype, leaf.device))
-            else:
-                key.append((type(leaf), leaf))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+        key = (
+            spec,
+            *[(x.shape, x.dtype, x.device) if isinstance(x, Tensor) else (type(x), x) for x in leaves],
+        )
         try:
-            index = self._index.get(tuple(key))
+            index = self._index.get(key)
         except TypeError:
             static = [describe(leaf) for leaf in leaves if not isinstance(leaf, Tensor)]
             raise TraceError(
@@ -412,7 +470,7 @@ class Fused:
         if index is None:
             program = trace_call(self.__wrapped__, args, kwargs)
             self.trace_count += 1
-            index = self._index[tuple(key)] = len(self._plans)
+            index = self._index[key] = len(self._plans)
             self._plans.append(Plan(program, self.rules, self.recipe, self.__name__))
         return index, tensors
 

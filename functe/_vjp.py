@@ -37,6 +37,7 @@ style (``forward`` without ctx, plus ``setup_context``), which is the only style
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -389,6 +390,9 @@ def _make_function(
         out_dims = (*(None if o is None else 0 for o in out_leaves), *([0] * len(new)), None)
         return outputs, out_dims
 
+    # Function.apply binds the arguments to forward's signature on every call;
+    # a precomputed __signature__ spares inspect.signature its parsing (~9 us a call).
+    forward.__signature__ = inspect.signature(forward)
     methods = {
         "forward": staticmethod(forward),
         "setup_context": staticmethod(setup_context),
