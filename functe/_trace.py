@@ -94,7 +94,7 @@ class Tracer(Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        rule = _TRANSLATIONS.get(func)
+        rule = _TRANSLATIONS.get(func) if _active is not None else None
         if rule is None:
             raise _unsupported(func, args)
         return rule(*args, **kwargs)
@@ -129,13 +129,10 @@ def shape_only(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def _func_name(func) -> str:
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
-    module = getattr(func, "__module__", None) or ""
-    if name.startswith("TensorBase.") or name.startswith("Tensor."):
-        return "Tensor." + name.split(".", 1)[1]
-    if module.startswith("torch") and not name.startswith("torch"):
-        return f"{module}.{name}"
-    return name
+    name = torch.overrides.resolve_name(func)
+    if name is None:
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+    return name.removeprefix("torch.") if name.startswith("torch.Tensor.") else name
 
 
 def _unsupported(func, args) -> TraceError:

@@ -41,16 +41,18 @@ def _linear_residuals(x: Tensor, weight: Tensor, has_bias: bool):
 
 
 def _forward_linear_add_fwd(x, weight, bias, extra, *, scale, bias_op):
-    # y = s·(x·Wᵀ + b) + extra, with the GEMM accumulating into the residual:
-    # addmm(extra + s·b, x, Wᵀ, alpha=s) rounds once, at the end.
     s = 1.0 if scale is None else scale
-    acc = _rows(extra)
-    if bias is not None:
-        acc = torch.add(acc, bias, alpha=s)
-    y = torch.addmm(acc, _rows(x), weight.t(), alpha=s).view(extra.shape)
+    if bias is None:
+        # y = s·x·Wᵀ + extra: the GEMM accumulates into the residual (beta = 1, alpha = s), one rounding.
+        y = torch.addmm(_rows(extra), _rows(x), weight.t(), alpha=s)
+    else:
+        # With a bias, torch has no GEMM with both a bias and an accumulator: the bias epilogue
+        # first, then one pass y = extra + s·h. That rounds h once, never more often than the
+        # unfused chain (rounding extra + s·b first instead could cancel where it does not).
+        y = torch.add(_rows(extra), torch.addmm(bias, _rows(x), weight.t()), alpha=s)
     # Residuals of the covered ops: linear, [bias], [constant_scale], add_extra_input.
     lin = _linear_residuals(x, weight, bias is not None and not bias_op)
-    return y, (lin, *([None] * (1 + bias_op + (scale is not None))))
+    return y.view(extra.shape), (lin, *([None] * (1 + bias_op + (scale is not None))))
 
 
 def _forward_linear_add_bwd(res, dy, *, scale, bias_op):
@@ -66,7 +68,7 @@ def _forward_linear_add_bwd(res, dy, *, scale, bias_op):
 
 
 forward_linear_add = custom_vjp("forward_linear_add", _forward_linear_add_fwd, _forward_linear_add_bwd)
-"""``y = scale·(x·Wᵀ + bias) + extra`` in one GEMM accumulating into ``extra``.
+"""``y = scale·(x·Wᵀ + bias) + extra``: one GEMM accumulating into ``extra`` (a bias adds one pass on CPU).
 
 Static ``scale`` (``None``: no ``constant_scale`` op was covered) and
 ``bias_op`` (the bias came from a separate ``bias`` op, not from ``linear``)

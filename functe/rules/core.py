@@ -7,6 +7,7 @@ its ``lhs -> rhs``; the fused ops live in :mod:`functe.ops._fused`.
 
 from __future__ import annotations
 
+from .._oplist import is_none
 from ..ops import _core as core
 from ..ops import _fused as fused
 from ._pattern import Match, Rule, RuleSet
@@ -41,7 +42,17 @@ FORWARD_LINEAR_BIAS_OP_ADD = Rule(
     doc="linear, separate bias op, residual add: one GEMM accumulating into the residual",
 )
 
-# add_extra_input(constant_scale(linear(x, w, b), s), r) -> forward_linear_add(x, w, b, r, scale=s)
+
+def _bias_free(m: Match) -> str | None:
+    if is_none(m["b"]):
+        return None
+    return (
+        "linear has a bias: without a GEMM epilogue taking both a bias and an accumulator, scale·(x·Wᵀ + b) "
+        "would be rounded before the residual add, which can cancel (TE's ForwardLinearScaleAdd is bias-free)"
+    )
+
+
+# add_extra_input(constant_scale(linear(x, w, None), s), r) -> forward_linear_add(x, w, None, r, scale=s)
 FORWARD_LINEAR_SCALE_ADD = Rule(
     "forward_linear_scale_add",
     "forward",
@@ -52,6 +63,7 @@ FORWARD_LINEAR_SCALE_ADD = Rule(
         commutative=True,
     ),
     _forward_linear_add,
+    condition=_bias_free,
     doc="scale·linear + residual: one GEMM, alpha = scale, accumulating into the residual (TE ForwardLinearScaleAdd)",
 )
 
