@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .._fuse import fuse
-from .._tree import tree_flatten, tree_unflatten
+from .._tree import leaf_paths, tree_flatten, tree_unflatten
 from ..testing import assert_close
 from ._pattern import Pattern, Rule, RuleSet
 
@@ -126,14 +126,17 @@ def _redraw(tree: Any, gen: torch.Generator) -> Any:
 
 
 def _outputs_and_grads(fused, call, args, gen, cts=None):
-    """Outputs, input gradients for output cotangents ``cts`` (drawn in the outputs' dtypes if None), and ``cts``."""
+    """Outputs, gradients (argument path -> gradient) for output cotangents ``cts`` (drawn in the
+    outputs' dtypes if None), and ``cts``."""
     args = _map(args, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
     outs = [o for o in tree_flatten(call(fused, args))[0] if isinstance(o, Tensor)]
     if cts is None:
         cts = [_redraw(o.detach(), gen) for o in outs]
-    inputs = [t for t in tree_flatten(args)[0] if isinstance(t, Tensor) and t.requires_grad]
+    leaves = tree_flatten(args)[0]
+    paths = [p for p, t in zip(leaf_paths(args), leaves) if isinstance(t, Tensor) and t.requires_grad]
+    inputs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
     grads = torch.autograd.grad(outs, inputs, cts, allow_unused=True)
-    return outs, grads, cts
+    return outs, dict(zip(paths, grads)), cts
 
 
 def _tolerance(t: Tensor) -> torch.dtype:
@@ -145,9 +148,10 @@ def _tolerance(t: Tensor) -> torch.dtype:
 def _compare(got, expected, name: str, what: str) -> None:
     for i, (g, e) in enumerate(zip(got[0], expected[0])):
         assert_close(g, e, dtype=_tolerance(g), msg=f"rule {name}, output {i} ({what})")
-    for i, (g, e) in enumerate(zip(got[1], expected[1])):
+    for path, g in got[1].items():
+        e = expected[1][path]
         if g is None or e is None:
             other = e if g is None else g
-            assert other is None or not other.any(), f"rule {name}, gradient {i} ({what}): one side is missing"
+            assert other is None or not other.any(), f"rule {name}, gradient of {path} ({what}): one side is missing"
             continue
-        assert_close(g, e, dtype=_tolerance(g), msg=f"rule {name}, gradient {i} ({what})")
+        assert_close(g, e, dtype=_tolerance(g), msg=f"rule {name}, gradient of {path} ({what})")
