@@ -370,15 +370,11 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
         out, res = forward(*tensors)
         out_leaves = tree_leaves(out)
         res_leaves, res_tree = tree_flatten(res)
-        layout, saved, n_new = [], [], 0
-        for r in res_leaves:
-            if isinstance(r, Tensor):
-                layout.append(_SAVED)
-                saved.append(r)
-                if not (any(r is t for t in tensors) or any(r is o for o in out_leaves)):
-                    n_new += 1
-            else:
-                layout.append(r)
+        layout = [_SAVED if isinstance(r, Tensor) else r for r in res_leaves]
+        saved = [r for r in res_leaves if isinstance(r, Tensor)]
+        known = {id(t) for t in tensors}
+        known.update(id(o) for o in out_leaves)
+        n_new = sum(id(r) not in known for r in saved)  # intermediates: differentiating through them is refused
         ctx.save_for_backward(*saved)
         ctx.residual_layout = (res_tree, layout, n_new)
         return tuple(out_leaves)
