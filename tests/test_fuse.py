@@ -8,6 +8,7 @@ from fuse_helpers import F64, assert_matches_float64, draw, plan_of
 from helpers import check_transforms, gradchecks, make
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functe
 from functe import ops
@@ -323,6 +324,41 @@ def test_rules_argument_and_empty_rules():
     plan = unfused.plan(*args, scale=0.5)
     assert str(plan.forward) == str(plan.program) == str(plan.backward)
     assert_close(unfused(*args, scale=0.5), functe.fuse(_block, rules=DEFAULT_RULES)(*args, scale=0.5))
+
+
+class _SyncRecorder(TorchDispatchMode):
+    """Records every aten op that reads tensor data back to the host (a synchronisation on a GPU).
+
+    A dispatch mode sees the ops inside autograd Functions and in the backward pass too; item(),
+    bool(), float() and int() of a tensor all reach ``aten._local_scalar_dense``.
+    """
+
+    SYNCING = frozenset(
+        {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "allclose", "unique", "masked_select"}
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.removeprefix("aten::") in self.SYNCING:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_cached_calls_never_read_tensor_data_on_the_host():
+    fused = functe.fuse(_block)
+    args = [a.float().requires_grad_() for a in _block_args()]
+    torch.autograd.grad(fused(*args, scale=0.5).sum(), args)  # trace and plan (may inspect anything)
+    recorder = _SyncRecorder()
+    with recorder:
+        out = fused(*args, scale=0.5)
+        torch.autograd.grad(out, args, torch.ones_like(out))
+        with torch.no_grad():
+            fused(*args, scale=0.5)
+        torch.func.grad(lambda *a: fused(*a, scale=0.5).sum())(*args)
+    assert recorder.seen == [] and fused.trace_count == 1
 
 
 @pytest.mark.gpu
