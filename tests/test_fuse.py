@@ -233,6 +233,11 @@ def test_compile_fullgraph_with_autograd_outside(compiler, backend):
         for g, e in zip(got, expected):
             assert_close(g, e)
     assert fused.trace_count == 1  # eager and compiled calls share the plan
+    compiled_fused = torch.compile(fused, fullgraph=True, backend=compiler)  # the Fused object itself
+    weight = torch.arange(6.0)
+    got = torch.autograd.grad((compiled_fused(*args, scale=0.5) * weight).sum(), args)
+    for g, e in zip(got, expected):
+        assert_close(g, e)
     torch._dynamo.reset()
 
 
