@@ -83,13 +83,6 @@ class Pattern:
             if not (i is None or isinstance(i, (str, Pattern))):
                 raise TypeError(f"Pattern inputs are capture names, None or Patterns, got {i!r}")
 
-    def nodes(self) -> Iterator[Pattern]:
-        """This node and every nested one, root first."""
-        yield self
-        for i in self.inputs:
-            if isinstance(i, Pattern):
-                yield from i.nodes()
-
     def __repr__(self):
         args = ", ".join(repr(i) for i in self.inputs)
         return f"{'|'.join(op.name for op in self.op)}({args})"
