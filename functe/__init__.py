@@ -6,6 +6,7 @@ defined with :func:`custom_vjp`, and kernels dispatch by device and backend
 """
 
 from . import ops as ops
+from . import rules as rules
 from ._backend import BACKENDS as BACKENDS
 from ._backend import get_backend as get_backend
 from ._backend import set_backend as set_backend
@@ -17,8 +18,19 @@ from ._errors import ShapeError as ShapeError
 from ._errors import StateError as StateError
 from ._errors import TraceError as TraceError
 from ._errors import TransformError as TransformError
+from ._fuse import Fused as Fused
+from ._fuse import Plan as Plan
+from ._fuse import explain as explain
+from ._fuse import fuse as fuse
+from ._oplist import Eqn as Eqn
+from ._oplist import Literal as Literal
+from ._oplist import OpList as OpList
+from ._oplist import Var as Var
+from ._oplist import check_oplist as check_oplist
 from ._state import ScalingState as ScalingState
 from ._state import init_scaling_state as init_scaling_state
+from ._trace import opaque as opaque
+from ._trace import trace as trace
 from ._tree import pytree_dataclass as pytree_dataclass
 from ._tree import tree_flatten as tree_flatten
 from ._tree import tree_leaves as tree_leaves

@@ -1,0 +1,179 @@
+"""Fusion executor benchmarks: per-call overhead, and the MLP block forward+backward.
+
+The block is TransformerEngine's LayerNormMLP shape: LayerNorm, Linear+bias, GELU (tanh),
+Linear+bias, residual add. The overhead table adds a block of native functe ops only
+(Linear+bias, constant scale, Linear+bias, residual add), which isolates the executor's own
+per-call cost from the opaque wrappers. Each case compares, in one run, the same computation in
+
+* ``eager``: plain torch (``F.layer_norm``, ``F.linear``, ``F.gelu``, ``+``);
+* ``compile``: ``torch.compile`` of that code, gradients taken outside;
+* ``functe``: the block written with functe ops, unfused (every op its own custom_vjp);
+* ``fuse``: ``functe.fuse`` of the functe block (cached plan, forward and backward fusions).
+
+TODO(phase 2, after issue 3 lands): ``layer_norm`` and ``gelu`` below are ``functe.opaque``
+wrappers of the torch functions (differentiated with torch.func, which re-enters the autograd
+engine in the backward); switch them to ``functe.ops.layer_norm`` / ``functe.ops.gelu`` and
+re-run. On a CUDA machine everything runs on the GPU (the fused GEMMs still use torch.addmm
+until issue 6's Triton epilogues are merged).
+
+Run: ``python -m benchmarks.bench_fuse`` (``--skip-large`` for the overhead table only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import functe
+from functe import ops
+
+from ._harness import bench, machine, table
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# TODO(phase 2): functe.ops.layer_norm(x, weight, bias) and functe.ops.gelu(x).
+layer_norm = functe.opaque(lambda x, g, b: F.layer_norm(x, (x.shape[-1],), g, b), name="layer_norm")
+gelu = functe.opaque(F.gelu)
+
+
+def mlp_torch(x, p):
+    h = F.layer_norm(x, (x.shape[-1],), p["ln.weight"], p["ln.bias"])
+    h = F.gelu(F.linear(h, p["fc1.weight"], p["fc1.bias"]), approximate="tanh")
+    return F.linear(h, p["fc2.weight"], p["fc2.bias"]) + x
+
+
+def mlp_functe(x, p):
+    h = layer_norm(x, p["ln.weight"], p["ln.bias"])
+    h = gelu(ops.linear(h, p["fc1.weight"], p["fc1.bias"]), approximate="tanh")
+    return ops.linear(h, p["fc2.weight"], p["fc2.bias"]) + x
+
+
+def native_torch(x, p):
+    h = F.linear(x, p["fc1.weight"], p["fc1.bias"]) * 0.5
+    return F.linear(h, p["fc2.weight"], p["fc2.bias"]) + x
+
+
+def native_functe(x, p):
+    h = ops.linear(x, p["fc1.weight"], p["fc1.bias"]) * 0.5
+    return ops.linear(h, p["fc2.weight"], p["fc2.bias"]) + x
+
+
+def make_inputs(tokens: int, hidden: int, ffn: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=DEVICE).requires_grad_()
+
+    x = rand(tokens, hidden)
+    p = {
+        "ln.weight": rand(hidden),
+        "ln.bias": rand(hidden),
+        "fc1.weight": rand(ffn, hidden, scale=hidden**-0.5),
+        "fc1.bias": rand(ffn),
+        "fc2.weight": rand(hidden, ffn, scale=ffn**-0.5),
+        "fc2.bias": rand(hidden),
+    }
+    return x, p
+
+
+def implementations(torch_fn=mlp_torch, functe_fn=mlp_functe):
+    return {
+        "eager": torch_fn,
+        "compile": torch.compile(torch_fn),
+        "functe": functe_fn,
+        "fuse": functe.fuse(functe_fn),
+    }
+
+
+def _fwd_bwd(fn, x, p, cotangent):
+    leaves = [x, *p.values()]
+
+    def step():
+        torch.autograd.grad(fn(x, p), leaves, cotangent, allow_unused=True)
+
+    return step
+
+
+def per_call(fn, *, calls: int = 200, rounds: int = 15) -> float:
+    """CPU seconds of this thread per call: the best of ``rounds`` batches of ``calls`` calls.
+
+    The fixed cost of a call is CPU time on the calling thread; measuring it
+    with the thread's CPU clock keeps other processes on a shared machine out
+    of the numbers (wall time at microsecond scale mostly measures the
+    scheduler). On a GPU this is the host-side cost of launching the work.
+    """
+    for _ in range(calls):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - start) / calls)
+    return best
+
+
+def cpu_seconds(fn, *, warmup: int = 1, reps: int = 3) -> float:
+    """Median CPU time of the whole process (all threads) per call of ``fn``."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start = time.process_time()
+        fn()
+        samples.append(time.process_time() - start)
+    return statistics.median(samples)
+
+
+def overhead() -> str:
+    """Per-call time at tiny shapes (4 tokens, hidden 8, ffn 16), fp32: the fixed cost of a call."""
+    x, p = make_inputs(4, 8, 16, torch.float32)
+    cot = torch.ones(4, 8, device=DEVICE)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors never use the intra-op pool; one thread makes CPU time = cost
+    rows = []
+    for block, impls in [("MLP", implementations()), ("native", implementations(native_torch, native_functe))]:
+        rows.append((f"{block}: forward", {k: per_call(lambda f=f: f(x, p)) for k, f in impls.items()}))
+        rows.append((f"{block}: forward + backward", {k: per_call(_fwd_bwd(f, x, p, cot)) for k, f in impls.items()}))
+        with torch.no_grad():
+            rows.append((f"{block}: forward, no grad", {k: per_call(lambda f=f: f(x, p)) for k, f in impls.items()}))
+    torch.set_num_threads(threads)
+    return table("Per-call CPU time, tiny blocks (4 tokens, 8 hidden, 16 ffn, fp32, 1 thread)", rows, baseline="eager")
+
+
+def large(dtypes, reps: int) -> str:
+    wall, cpu = [], []
+    for dtype in dtypes:
+        x, p = make_inputs(4096, 1024, 4096, dtype)
+        cot = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(1)).to(dtype=dtype, device=DEVICE)
+        steps = {k: _fwd_bwd(f, x, p, cot) for k, f in implementations().items()}
+        name = f"fwd+bwd {str(dtype).removeprefix('torch.')}"
+        wall.append((name, {k: bench(step, warmup=1, reps=reps) for k, step in steps.items()}))
+        if DEVICE == "cpu":
+            cpu.append((name, {k: cpu_seconds(step, reps=reps) for k, step in steps.items()}))
+    title = "MLP block forward+backward (4096 tokens, 1024 hidden, 4096 ffn)"
+    tables = [table(f"{title}, wall time", wall, baseline="eager")]
+    if cpu:
+        tables.append(table(f"{title}, process CPU time", cpu, baseline="eager"))
+    return "\n\n".join(tables)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-large", action="store_true", help="only the per-call overhead table")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions of the large case")
+    args = parser.parse_args()
+    print(machine())
+    print()
+    print(overhead())
+    if not args.skip_large:
+        print()
+        print(large([torch.float32, torch.bfloat16], reps=args.reps))
+
+
+if __name__ == "__main__":
+    main()

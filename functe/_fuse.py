@@ -1,0 +1,602 @@
+"""The fused executor: ``functe.fuse`` and ``functe.explain``.
+
+``fuse(fn)`` returns a function with ``fn``'s signature. Per input signature
+(pytree structure, shapes, dtypes, devices, static leaves) it traces ``fn``
+once to an op list and builds a :class:`Plan`:
+
+1. the rule set's *joint* rules rewrite the op list;
+2. its *forward* rules rewrite that into the **forward plan**, its
+   *backward* rules, independently, into the **backward plan**
+   (TransformerEngine's key insight: the two passes have different fusion
+   opportunities, and the residual contract of docs/fusion.md lets them be
+   chosen separately);
+3. both plans are compiled to straight-line Python (no per-call
+   interpretation, no data-dependent branches, no host synchronisation).
+
+A call runs the whole program as **one** :func:`functe.custom_vjp` op whose
+forward rule is the forward plan (returning only the residuals that live
+backward steps need) and whose backward rule calls a second custom_vjp op
+running the backward plan; so ``torch.func.grad``, ``vmap``, ``vmap(grad)``,
+``jvp``, ``functional_call`` and ``torch.compile`` (with autograd outside)
+treat a fused function exactly like the unfused one. With no gradient to
+record the forward plan runs directly, without residuals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import linecache
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _trace
+from ._errors import TraceError, describe
+from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec
+from ._trace import trace_call, vjp_call
+from ._tree import tree_flatten, tree_leaves, tree_unflatten
+from ._vjp import _guard, custom_vjp
+
+Tensor = torch.Tensor
+
+
+# ----------------------------------------------------------------------------- runtime helpers of generated code
+
+
+def _acc(a, b):
+    """Sum of two cotangents, either of which may be ``None`` (zero)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def _zeros(meta) -> Tensor:
+    shape, dtype, device = meta
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _zeros_or(ct, meta) -> Tensor:
+    return _zeros(meta) if ct is None else ct
+
+
+def _arg_leaves(ct, spec) -> list:
+    return [None] * spec.num_leaves if ct is None else tree_leaves(ct)
+
+
+# ----------------------------------------------------------------------------- code generation
+
+
+def _is_literal(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, tuple):
+        return all(_is_literal(v) for v in value)
+    return False
+
+
+class _Emitter:
+    """Source lines plus the globals they refer to."""
+
+    def __init__(self):
+        self.globals: dict[str, Any] = {
+            "torch": torch,
+            "_acc": _acc,
+            "_zeros": _zeros,
+            "_zeros_or": _zeros_or,
+            "_leaves": tree_leaves,
+            "_unflatten": tree_unflatten,
+            "_arg_leaves": _arg_leaves,
+        }
+        self._by_id: dict[int, str] = {}
+        self.lines: list[str] = []
+        self.names: dict[Var, str] = {}
+
+    def glob(self, value: Any, prefix: str) -> str:
+        name = self._by_id.get(id(value))
+        if name is None:
+            name = f"_{prefix}{len(self.globals)}"
+            self.globals[name] = value
+            self._by_id[id(value)] = name
+        return name
+
+    def literal(self, value: Any) -> str:
+        return repr(value) if _is_literal(value) else self.glob(value, "c")
+
+    def var(self, v: Var) -> str:
+        name = self.names.get(v)
+        if name is None:
+            name = self.names[v] = f"v{len(self.names)}"
+        return name
+
+    def atom(self, a) -> str:
+        return self.literal(a.value) if isinstance(a, Literal) else self.var(a)
+
+    def emit(self, line: str) -> None:
+        self.lines.append("    " + line)
+
+    def args(self, eqn: Eqn) -> str:
+        atoms = [self.atom(a) for a in eqn.inputs]
+        if eqn.in_tree == flat_spec(len(atoms)):
+            text = ", ".join(atoms)
+        else:
+            text = f"*_unflatten({self.glob(eqn.in_tree, 's')}, [{', '.join(atoms)}])"
+        return text + self.params(eqn)
+
+    def params(self, eqn: Eqn) -> str:
+        return "".join(f", {k}={self.literal(v)}" for k, v in eqn.params.items())
+
+    def bind(self, eqn: Eqn, value: str) -> None:
+        names = [("_" if v is None else self.var(v)) for v in eqn.outputs]
+        if eqn.out_tree == LEAF:
+            self.emit(f"{names[0]} = {value}")
+        elif not names:
+            self.emit(f"_ = {value}")
+        elif eqn.out_tree == flat_spec(len(names)):
+            self.emit(f"{', '.join(names)}, = {value}")
+        else:
+            self.emit(f"{', '.join(names)}, = _leaves({value})")
+
+    def pack(self, items: list[str], tree) -> str:
+        if tree == LEAF:
+            return items[0]
+        if tree == flat_spec(len(items)):
+            return f"({', '.join(items)},)" if items else "()"
+        return f"_unflatten({self.glob(tree, 's')}, [{', '.join(items)}])"
+
+
+def _is_float_var(a) -> bool:
+    return isinstance(a, Var) and a.dtype.is_floating_point
+
+
+class _Liveness:
+    """Which vars carry cotangents and which backward steps (and so residuals) are needed."""
+
+    def __init__(self, program: OpList, joint: OpList, backward: OpList):
+        needs = {v for v in program.inputs if v.dtype.is_floating_point}
+        for e in joint.eqns:
+            if any(isinstance(a, Var) and a in needs for a in e.inputs):
+                needs.update(v for v in e.outputs if _is_float_var(v))
+        has = {a for a in program.outputs if _is_float_var(a) and a in needs}
+        live: list[Eqn] = []
+        for e in reversed(backward.eqns):
+            if any(v in has for v in e.outputs if v is not None) and any(
+                isinstance(a, Var) and a in needs for a in e.inputs
+            ):
+                live.append(e)
+                has.update(a for a in e.inputs if isinstance(a, Var) and a in needs)
+        self.needs = needs
+        self.live = live  # in backward execution order
+        owners = {o for e in live for o in _owners(e)}
+        self.residuals = [e for e in joint.eqns if e in owners]  # residual owners, in program order
+
+
+def _owners(eqn: Eqn) -> tuple[Eqn, ...]:
+    """The equations whose residuals a step of a plan produces (forward) or consumes (backward)."""
+    return eqn.covers if eqn.phase in ("forward", "backward") else (eqn,)
+
+
+def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, dict]:
+    """Python source of ``infer``, ``forward`` and ``backward`` for a plan, and its globals."""
+    em = _Emitter()
+    res_names = {e: f"r{i}" for i, e in enumerate(live.residuals)}
+    inputs = ", ".join(em.var(v) for v in program.inputs)
+
+    def forward_body(keep_residuals: bool) -> None:
+        for e in forward.eqns:
+            call = f"{em.glob(e.op.fwd, 'f')}({em.args(e)})"
+            if e.phase == "forward":
+                if e.out_tree == LEAF and e.outputs[0] is not None:
+                    em.emit(f"{em.var(e.outputs[0])}, _r = {call}")
+                else:
+                    em.emit(f"_o, _r = {call}")
+                    em.bind(e, "_o")
+                if keep_residuals and any(o in res_names for o in e.covers):
+                    em.emit(f"{', '.join(res_names.get(o, '_') for o in e.covers)}, = _r")
+                continue
+            r = res_names.get(e, "_") if keep_residuals else "_"
+            if e.out_tree == LEAF and e.outputs[0] is not None:
+                em.emit(f"{em.var(e.outputs[0])}, {r} = {call}")
+            else:
+                em.emit(f"_o, {r} = {call}")
+                em.bind(e, "_o")
+
+    def outputs(distinct: bool) -> str:
+        seen: set[Var] = set(program.inputs)
+        items = []
+        for a in program.outputs:
+            text = em.atom(a)
+            if distinct and isinstance(a, Var) and a in seen:
+                # A Function must not return an input, or one tensor twice: a view keeps it functional.
+                text = f"{text}.view_as({text})"
+            if isinstance(a, Var):
+                seen.add(a)
+            items.append(text)
+        return em.pack(items, program.out_tree)
+
+    em.lines.append(f"def infer({inputs}):")
+    forward_body(keep_residuals=False)
+    em.emit(f"return {outputs(distinct=False)}")
+    em.lines.append(f"def forward({inputs}):")
+    forward_body(keep_residuals=True)
+    residuals = "".join(f"{res_names[e]}, " for e in live.residuals)
+    em.emit(f"return {outputs(distinct=True)}, ({residuals})")
+    _generate_backward(em, program, live, res_names)
+    # The backward rule of the fused op. Under create_graph / torch.func the backward plan runs as
+    # one differentiable op; a plain first-order backward (grad mode off) and compiled code run it
+    # directly. (Generated rather than a closure: Dynamo cannot rebuild a closure over an op object,
+    # and it resolves the global only on the branch it takes.)
+    em.lines.append("def bwd(res, cts):")
+    em.emit("if torch.is_grad_enabled() and not torch.compiler.is_compiling():")
+    em.emit("    return _backward_op(res, cts)")
+    em.emit("return backward(res, cts)")
+    return "\n".join(em.lines) + "\n", em.globals
+
+
+def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names: dict[Eqn, str]) -> None:
+    em.lines.append("def backward(res, cts):")
+    if res_names:
+        em.emit(f"{''.join(f'{n}, ' for n in res_names.values())}= res")
+    grads: dict[Var, str] = {}
+    present: set[Var] = set()  # cotangents known not to be None
+
+    def accumulate(v: Var, value: str, known: bool = False) -> None:
+        if v in grads:
+            em.emit(f"{grads[v]} = _acc({grads[v]}, {value})")
+        else:
+            grads[v] = f"g{len(grads)}"
+            em.emit(f"{grads[v]} = {value}")
+        if known:
+            present.add(v)
+
+    # The fused op materialises the output cotangents (symbolic_zeros=False): they are tensors.
+    if program.out_tree != LEAF:
+        em.emit("cts = _leaves(cts)")
+    for j, a in enumerate(program.outputs):
+        if isinstance(a, Var) and a in live.needs:
+            accumulate(a, "cts" if program.out_tree == LEAF else f"cts[{j}]", known=True)
+    for e in live.live:
+        items = []
+        for v in e.outputs:
+            if v is None:
+                items.append("None")
+                continue
+            meta = em.glob((v.shape, v.dtype, v.device), "m")
+            g = grads.get(v)
+            if e.op.symbolic_zeros or v in present:
+                items.append(g or "None")
+            else:
+                items.append(f"_zeros_or({g}, {meta})" if g else f"_zeros({meta})")
+        owners = _owners(e)
+        res = res_names[e] if e.phase != "backward" else f"({''.join(f'{res_names[o]}, ' for o in owners)})"
+        em.emit(f"_c = {em.glob(e.op.bwd, 'b')}({res}, {em.pack(items, e.out_tree)}{em.params(e)})")
+        offset = 0
+        for i, child in enumerate(e.in_tree.children()):
+            atoms = e.inputs[offset : offset + child.num_leaves]
+            offset += child.num_leaves
+            wanted = [(k, a) for k, a in enumerate(atoms) if isinstance(a, Var) and a in live.needs]
+            if not wanted:
+                continue
+            if child == LEAF:
+                accumulate(atoms[0], f"_c[{i}]")
+            else:
+                em.emit(f"_l = _arg_leaves(_c[{i}], {em.glob(child, 's')})")
+                for k, a in wanted:
+                    accumulate(a, f"_l[{k}]")
+    em.emit("return (" + "".join(f"{grads.get(v, 'None')}, " for v in program.inputs) + ")")
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+_plan_numbers = itertools.count()
+
+
+class Plan:
+    """Everything :func:`fuse` caches for one input signature.
+
+    Attributes:
+        program: the traced op list.
+        joint, forward, backward: the op list after the joint rules, and the
+            forward and backward plans (each a rewrite of ``joint``).
+        stats: ``{"joint" | "forward" | "backward": RewriteStats}``.
+        source: the generated Python of ``infer``, ``forward`` and ``backward``.
+        op: the custom_vjp op running the whole program.
+    """
+
+    def __init__(self, program: OpList, rules, recipe, name: str):
+        from .rules import rewrite  # functe.rules imports the ops; imported late to keep import order simple
+
+        self.program = program
+        self.name = name
+        self.joint, joint_stats = rewrite(program, rules, "joint", recipe=recipe)
+        self.forward, forward_stats = rewrite(self.joint, rules, "forward", recipe=recipe)
+        self.backward, backward_stats = rewrite(self.joint, rules, "backward", recipe=recipe)
+        self.stats = {"joint": joint_stats, "forward": forward_stats, "backward": backward_stats}
+        self.liveness = _Liveness(program, self.joint, self.backward)
+        self.source, namespace = _generate(program, self.forward, self.liveness)
+        filename = f"<functe.fuse {name} #{next(_plan_numbers)}>"
+        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
+        exec(compile(self.source, filename, "exec"), namespace)
+        self.infer: Callable = namespace["infer"]
+        backward = namespace["backward"]
+        # The generated dispatcher ``bwd`` calls this op under create_graph / torch.func (see _generate).
+        namespace["_backward_op"] = custom_vjp(
+            f"fused_{name}_bwd", _backward_fwd(backward), functools.partial(_backward_bwd, backward)
+        )
+        self.op = custom_vjp(f"fused_{name}", namespace["forward"], namespace["bwd"])
+        self.eager = _eager_function(
+            f"fused_{name}_eager", namespace["forward"], backward, namespace["_backward_op"], program.out_tree
+        )
+
+    def explain(self) -> str:
+        """The op list before and after each rewrite, rules fired and declined (see :func:`explain`)."""
+        lines = [f"functe.fuse({self.name}): program as traced", str(self.program)]
+        for phase, oplist in (("joint", self.joint), ("forward", self.forward), ("backward", self.backward)):
+            stats = self.stats[phase]
+            if phase == "joint" and not stats.fired and not stats.declined:
+                continue
+            lines.append(f"{phase} plan:")
+            fired = ", ".join(f"{rule} x{n}" for rule, n in stats.fired.items())
+            lines.append(f"  fired: {fired or 'none'}")
+            for rule, where, reason in stats.declined:
+                lines.append(f"  declined: {rule} at {where}: {reason}")
+            lines.append(str(oplist) if stats.fired else "  (unchanged)")
+        kept = ", ".join(e.name for e in self.liveness.residuals)
+        lines.append(f"residuals kept for the backward plan: {kept or 'none'}")
+        return "\n".join(lines)
+
+
+_SAVED = object()  # marks a residual leaf kept with save_for_backward
+
+
+def _eager_function(name: str, forward: Callable, backward: Callable, backward_op, out_tree) -> Callable:
+    """The fused op for plain eager autograd (no torch.func transform, not compiling).
+
+    Same semantics as the custom_vjp op (``Plan.op``) with a fraction of its
+    per-call cost: an old-style Function binds no signature and the layout of
+    the residuals is known. Intermediate residuals make differentiating the
+    backward raise, through the same guard as custom_vjp.
+    """
+
+    def fwd(ctx, *tensors):
+        out, res = forward(*tensors)
+        out_leaves = tree_leaves(out)
+        res_leaves, res_tree = tree_flatten(res)
+        layout = [_SAVED if isinstance(r, Tensor) else r for r in res_leaves]
+        saved = [r for r in res_leaves if isinstance(r, Tensor)]
+        known = {id(t) for t in tensors}
+        known.update(id(o) for o in out_leaves)
+        n_new = sum(id(r) not in known for r in saved)  # intermediates: differentiating through them is refused
+        ctx.save_for_backward(*saved)
+        ctx.residual_layout = (res_tree, layout, n_new)
+        return tuple(out_leaves)
+
+    def bwd(ctx, *grads):
+        res_tree, layout, n_new = ctx.residual_layout
+        saved = iter(ctx.saved_tensors)
+        res = tree_unflatten(res_tree, [next(saved) if leaf is _SAVED else leaf for leaf in layout])
+        cts = tree_unflatten(out_tree, list(grads))
+        if not torch.is_grad_enabled():
+            return backward(res, cts)
+        grads_in = list(backward_op(res, cts))
+        return tuple(_guard(name, grads_in)) if n_new else tuple(grads_in)
+
+    function = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+
+    def call(*tensors):
+        return tree_unflatten(out_tree, list(function.apply(*tensors)))
+
+    return call
+
+
+def _backward_fwd(backward: Callable) -> Callable:
+    def fwd(res, cts):
+        return backward(res, cts), (res, cts)
+
+    return fwd
+
+
+def _backward_bwd(backward: Callable, saved, ggrads) -> tuple:
+    # Second order: differentiate the backward plan itself (built from differentiable ops).
+    res, cts = saved
+    return vjp_call(backward, (res, cts), ggrads)
+
+
+# ----------------------------------------------------------------------------- the fused function
+
+
+class Fused:
+    """``fn`` with fused execution; returned by :func:`fuse`.
+
+    Attributes:
+        trace_count: how many times ``fn`` was traced (once per new signature).
+    """
+
+    def __init__(self, fn: Callable, rules, recipe):
+        functools.update_wrapper(self, fn)
+        self.rules = rules
+        self.recipe = recipe
+        self.trace_count = 0
+        self._index: dict[Any, int] = {}
+        self._plans: list[Plan] = []
+
+    def __call__(self, *args, **kwargs):
+        if _trace.tracing():
+            return self.__wrapped__(*args, **kwargs)  # inside an outer trace: inline
+        if torch.compiler.is_compiling():
+            walked: list[Tensor] = []
+            index, order = _compiled_plan_index(self, _constant_key((args, kwargs), walked))
+            plan = self._plans[index]
+            tensors = [walked[i] for i in order]
+        else:
+            plan, tensors = self._plan_and_tensors(args, kwargs)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+                return plan.op(*tensors)  # torch.func transforms and Dynamo need the custom_vjp op
+            return plan.eager(*tensors)
+        return plan.infer(*tensors)
+
+    def _plan_and_tensors(self, args, kwargs) -> tuple[Plan, list[Tensor]]:
+        index, tensors = self._lookup(args, kwargs)
+        return self._plans[index], tensors
+
+    def _lookup(self, args, kwargs) -> tuple[int, list[Tensor]]:
+        """The plan index for these arguments (tracing on a new signature) and their tensor leaves."""
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+        key = (
+            spec,
+            *[(x.shape, x.dtype, x.device) if isinstance(x, Tensor) else (type(x), x) for x in leaves],
+        )
+        try:
+            index = self._index.get(key)
+        except TypeError:
+            static = [describe(leaf) for leaf in leaves if not isinstance(leaf, Tensor)]
+            raise TraceError(
+                f"functe.fuse({self.__name__}): non-tensor arguments are static and must be hashable, got {static}"
+            ) from None
+        if index is None:
+            program = trace_call(self.__wrapped__, args, kwargs)
+            self.trace_count += 1
+            index = self._index[key] = len(self._plans)
+            self._plans.append(Plan(program, self.rules, self.recipe, self.__name__))
+        return index, tensors
+
+    def plan(self, *args, **kwargs) -> Plan:
+        """The :class:`Plan` for these arguments (tracing ``fn`` if this signature is new)."""
+        return self._plan_and_tensors(args, kwargs)[0]
+
+    def __repr__(self):
+        return f"fuse({self.__name__})"
+
+
+def fuse(fn: Callable, *, recipe: Any = None, rules=None) -> Fused:
+    """Run ``fn`` through the fused executor (see the module docstring).
+
+    Args:
+        fn: a function of pytrees of tensors built from functe ops, plain
+            arithmetic on them, and :func:`functe.opaque` functions.
+            Non-tensor leaves of its arguments are static.
+        recipe: the quantization recipe the rules see (``None``: high precision).
+        rules: a :class:`functe.rules.RuleSet`; default ``functe.rules.DEFAULT_RULES``.
+
+    Returns:
+        A callable with ``fn``'s signature; its ``trace_count`` counts traces.
+
+    Example:
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> @functe.fuse
+        ... def block(x, w, b):
+        ...     return ops.linear(x, w, b) + x
+        >>> x, w, b = torch.ones(2, 4), torch.eye(4), torch.zeros(4)
+        >>> block(x, w, b).tolist()
+        [[2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]]
+        >>> torch.func.grad(lambda w: block(x, w, b).sum())(w)[0].tolist()
+        [2.0, 2.0, 2.0, 2.0]
+        >>> block.trace_count
+        1
+    """
+    if rules is None:
+        from .rules import DEFAULT_RULES
+
+        rules = DEFAULT_RULES
+    return Fused(fn, rules, recipe)
+
+
+def explain(fn: Callable, *args, rules=None, recipe: Any = None, **kwargs) -> None:
+    """Print how ``fn`` is fused for these arguments.
+
+    Shows the traced op list, then for each plan the rules that fired, every
+    rule that matched but declined with its reason, and the rewritten op list.
+    ``fn`` may be a :func:`fuse` d function (its rules and recipe are used).
+
+    Example:
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> functe.explain(lambda x, w: ops.linear(x, w) * 2.0, torch.ones(2, 4), torch.ones(3, 4))
+        functe.fuse(<lambda>): program as traced
+        { lambda a:f32[2,4] b:f32[3,4]. let
+            c:f32[2,3] = linear a b None
+            d:f32[2,3] = constant_scale[scale=2.0] c
+          in (d,) }
+        forward plan:
+          fired: none
+          (unchanged)
+        backward plan:
+          fired: backward_linear_scale x1
+        { lambda a:f32[2,4] b:f32[3,4]. let
+            c:f32[2,3] = backward_linear_scale[scale=2.0] a b None
+          in (c,) }
+        residuals kept for the backward plan: linear, constant_scale
+    """
+    fused = fn if isinstance(fn, Fused) else fuse(fn, rules=rules, recipe=recipe)
+    print(fused.plan(*args, **kwargs).explain())
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def _constant_key(tree: Any, tensors: list) -> Any:
+    """A key of plain constants (structure, shapes, dtypes, devices, static leaves) that Dynamo can fold.
+
+    Tensors met on the way are appended to ``tensors`` (Dynamo cannot trace
+    optree's flattening of dicts, so this walk stands in for it).
+    """
+    if isinstance(tree, Tensor):
+        tensors.append(tree)
+        return ("T", tuple(tree.shape), tree.dtype, tree.device)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return ("nt", type(tree), tuple(_constant_key(t, tensors) for t in tree))
+    if isinstance(tree, (tuple, list)):
+        return ("seq", type(tree), tuple(_constant_key(t, tensors) for t in tree))
+    if isinstance(tree, dict):
+        return ("map", type(tree), tuple(tree.keys()), tuple(_constant_key(v, tensors) for v in tree.values()))
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        names = tuple(f.name for f in dataclasses.fields(tree))
+        return ("dc", type(tree), names, tuple(_constant_key(getattr(tree, n), tensors) for n in names))
+    return ("S", tree)
+
+
+def _rebuild(key: Any) -> Any:
+    """Arguments with shape-only tensors, from a :func:`_constant_key`."""
+    kind = key[0]
+    if kind == "T":
+        return _trace.shape_only(key[1], key[2], key[3])
+    if kind == "nt":
+        return key[1](*(_rebuild(k) for k in key[2]))
+    if kind == "seq":
+        return key[1](_rebuild(k) for k in key[2])
+    if kind == "map":
+        return key[1](zip(key[2], (_rebuild(k) for k in key[3])))
+    if kind == "dc":
+        obj = object.__new__(key[1])
+        for name, k in zip(key[2], key[3]):
+            object.__setattr__(obj, name, _rebuild(k))
+        return obj
+    return key[1]
+
+
+@torch._dynamo.assume_constant_result
+def _compiled_plan_index(fused: Fused, key: Any) -> tuple[int, tuple[int, ...]]:
+    """Run by Dynamo at trace time (not traced): find or build the plan.
+
+    Returns the plan's index and the order of the tensors of the
+    :func:`_constant_key` walk in the plan's (optree) flattening order. Only
+    ints come back into the graph; the plan itself is then read from ``fused``
+    so that Dynamo has a real source to guard on.
+    """
+    args, kwargs = _rebuild(key)
+    walked: list[Tensor] = []
+    _constant_key((args, kwargs), walked)
+    index, tensors = fused._lookup(args, kwargs)
+    position = {id(t): i for i, t in enumerate(walked)}
+    return index, tuple(position[id(t)] for t in tensors)

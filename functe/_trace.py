@@ -1,0 +1,518 @@
+"""Tracing a function of tensors to an op list, without computing anything.
+
+``functe.trace(fn)(*args)`` replaces every tensor leaf of the arguments by a
+:class:`Tracer`: a tensor subclass with no storage that reports the real
+shape, dtype and device (so the public ops' argument checks pass unchanged)
+and carries its :class:`~functe._oplist.Var`. Then:
+
+* an op call (:class:`functe.CustomVJP`) that receives a tracer is recorded as
+  an equation instead of running: ``CustomVJP.__call__`` consults
+  ``functe._vjp._recorder``, which is set only while a trace is active. The
+  op's output shapes come from running its forward rule on meta tensors;
+* plain tensor arithmetic on tracers is recorded as the matching functe op
+  (``x + y`` -> ``add_extra_input``, ``x + b`` with a per-feature ``b`` ->
+  ``bias``, ``2.0 * x`` / ``x / 2`` / ``-x`` -> ``constant_scale``, ``x - y``,
+  ``x.reshape(...)`` / ``x.view(...)`` -> ``reshape``, ``F.linear`` -> ``linear``);
+* metadata queries (``shape``, ``dtype``, ``dim()``, ...) answer normally;
+* any other torch call on a tracer raises :class:`~functe.TraceError` naming it.
+  A function the user marks with :func:`opaque` becomes an op of its own,
+  run as-is and differentiated with ``torch.func.vjp``.
+
+Non-tensor leaves of the arguments are static: they are passed to ``fn``
+unchanged and recorded in the op list. Tensors captured from the enclosing
+scope become literals (constants); one that requires grad is refused, since
+its gradient would be lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _vjp
+from ._backend import use_backend
+from ._errors import FuncteError, TraceError, describe
+from ._oplist import Eqn, Literal, OpList, Var
+from ._tree import tree_flatten, tree_unflatten
+from ._vjp import CustomVJP, custom_vjp
+
+Tensor = torch.Tensor
+
+
+class _Trace:
+    """The equations recorded by one active trace."""
+
+    def __init__(self):
+        self.eqns: list[Eqn] = []
+
+
+_active: _Trace | None = None
+
+
+def tracing() -> bool:
+    """Whether a trace is being recorded right now."""
+    return _active is not None
+
+
+@contextlib.contextmanager
+def _recording(trace: _Trace | None):
+    global _active
+    previous = _active, _vjp._recorder
+    _active = trace
+    _vjp._recorder = None if trace is None else _record
+    try:
+        yield
+    finally:
+        _active, _vjp._recorder = previous
+
+
+class Tracer(Tensor):
+    """A shape-only stand-in for a tensor inside a trace (see the module docstring)."""
+
+    @staticmethod
+    def __new__(cls, var: Var, trace: _Trace):
+        t = Tensor._make_wrapper_subclass(
+            cls, var.shape, dtype=var.dtype, device=var.device, requires_grad=var.dtype.is_floating_point
+        )
+        t._var = var
+        t._trace = trace
+        return t
+
+    def __init__(self, var: Var, trace: _Trace):
+        super().__init__()
+
+    def __repr__(self):
+        return f"Tracer({self._var.aval})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        rule = _TRANSLATIONS.get(func) if _active is not None else None
+        if rule is None:
+            raise _unsupported(func, args)
+        return rule(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise _unsupported(func, args)
+
+
+class _ShapeOnly(Tensor):
+    """A tensor with metadata and no data: stands for an argument when only its signature is known."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype: torch.dtype, device: torch.device):
+        return Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise TraceError(f"functe: {_func_name(func)} on a shape-only tensor (it has no data)")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TraceError(f"functe: {func} on a shape-only tensor (it has no data)")
+
+
+def shape_only(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A data-less tensor reporting ``shape``, ``dtype`` and ``device`` (for tracing from a signature)."""
+    return _ShapeOnly(shape, dtype, device)
+
+
+def _func_name(func) -> str:
+    name = torch.overrides.resolve_name(func)
+    if name is None:
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+    return name.removeprefix("torch.") if name.startswith("torch.Tensor.") else name
+
+
+def _unsupported(func, args) -> TraceError:
+    if any(isinstance(a, Tracer) and _active is None for a in args):
+        return TraceError(
+            f"functe.trace: a traced value escaped its trace and reached {_func_name(func)} "
+            "(do not store tracers outside the traced function)"
+        )
+    described = ", ".join(describe(a) for a in args)
+    return TraceError(
+        f"functe.trace: {_func_name(func)}({described}) on a traced value cannot be recorded in an op list. "
+        "Use a functe op (functe.ops), plain arithmetic that maps to one (x + y, 2.0 * x, x.reshape(...)), "
+        "or mark the function opaque: functe.opaque(fn) runs it as-is and differentiates it with torch.func"
+    )
+
+
+# ----------------------------------------------------------------------------- recording op calls
+
+
+def _record(op: CustomVJP, args: tuple, static: dict[str, Any]):
+    """``CustomVJP.__call__`` during a trace: record an equation if any argument is traced."""
+    leaves, in_tree = tree_flatten(args)
+    if not any(isinstance(leaf, Tracer) for leaf in leaves):
+        return NotImplemented  # constants only: compute now, the result is a constant
+    trace = _active
+    inputs = [_atom(op.name, leaf, trace) for leaf in leaves]
+    device = next(a.device if isinstance(a, Var) else a.value.device for a in inputs if _is_tensor_atom(a))
+    out = infer_outputs(op, inputs, static, in_tree)
+    out_leaves, out_tree = tree_flatten(out)
+    outputs = []
+    for leaf in out_leaves:
+        if leaf is not None and not isinstance(leaf, Tensor):
+            raise TraceError(f"functe.{op.name}: forward outputs must be tensors or None, got {describe(leaf)}")
+        outputs.append(None if leaf is None else Var(leaf.shape, leaf.dtype, device))
+    trace.eqns.append(Eqn(op, inputs, outputs, static, in_tree=in_tree, out_tree=out_tree))
+    return tree_unflatten(out_tree, [None if v is None else Tracer(v, trace) for v in outputs])
+
+
+def _is_tensor_atom(atom) -> bool:
+    return isinstance(atom, Var) or isinstance(atom.value, Tensor)
+
+
+def _atom(op_name: str, leaf: Any, trace: _Trace):
+    if isinstance(leaf, Tracer):
+        if leaf._trace is not trace:
+            raise TraceError(f"functe.{op_name}: received a traced value from another (finished or outer) trace")
+        return leaf._var
+    if isinstance(leaf, Tensor):
+        if leaf.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+            raise TraceError(
+                f"functe.{op_name}: a tensor {describe(leaf)} captured from the enclosing scope requires "
+                "gradients (or is being transformed); pass it to the traced function as an argument, "
+                "otherwise its gradient would be silently lost"
+            )
+    return Literal(leaf)
+
+
+def _meta(atom) -> Any:
+    if isinstance(atom, Var):
+        return torch.empty(atom.shape, dtype=atom.dtype, device="meta")
+    if isinstance(atom.value, Tensor):
+        return atom.value.to("meta")
+    return atom.value
+
+
+def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, Any]:
+    """Run ``op``'s forward rule on meta tensors standing for ``inputs``; return ``(out, residuals)``.
+
+    Kernels dispatch to their PyTorch twins (which are fake/meta-friendly)
+    whatever the backend, and no trace records the nested calls.
+    """
+    try:
+        with _recording(None), use_backend("torch"), torch.no_grad():
+            args = tree_unflatten(in_tree, [_meta(a) for a in inputs])
+            result = op.fwd(*args, **params)
+    except FuncteError:
+        raise
+    except Exception as e:
+        raise TraceError(
+            f"functe.trace: cannot infer the output shapes of {op.name} by running its forward rule on "
+            f"shape-only (meta) tensors; is it data-dependent? ({type(e).__name__}: {e})"
+        ) from e
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(f"functe.{op.name}: the forward rule must return (out, residuals), got {describe(result)}")
+    return result
+
+
+def infer_outputs(op, inputs, params: dict[str, Any], in_tree) -> Any:
+    """The output pytree of ``op`` applied to ``inputs``, as meta tensors (see :func:`forward_on_meta`)."""
+    return forward_on_meta(op, inputs, params, in_tree)[0]
+
+
+# ----------------------------------------------------------------------------- trace()
+
+
+def trace(fn: Callable) -> Callable[..., OpList]:
+    """``trace(fn)(*args, **kwargs)`` records ``fn`` as an :class:`~functe._oplist.OpList`.
+
+    Only shapes, dtypes and devices of the tensor arguments are used; nothing
+    is computed. Non-tensor leaves of the arguments are static.
+
+    Example:
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> def block(x, w, b):
+        ...     return ops.linear(x, w, b) * 0.5 + x
+        >>> print(functe.trace(block)(torch.ones(4, 8), torch.ones(8, 8), torch.ones(8)))
+        { lambda a:f32[4,8] b:f32[8,8] c:f32[8]. let
+            d:f32[4,8] = linear a b c
+            e:f32[4,8] = constant_scale[scale=0.5] d
+            f:f32[4,8] = add_extra_input e a
+          in (f,) }
+    """
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs) -> OpList:
+        return trace_call(fn, args, kwargs)
+
+    return traced
+
+
+def trace_call(fn: Callable, args: tuple, kwargs: dict) -> OpList:
+    """Trace ``fn(*args, **kwargs)`` (see :func:`trace`)."""
+    leaves, in_tree = tree_flatten((args, kwargs))
+    t = _Trace()
+    inputs: list[Var] = []
+    static: dict[int, Any] = {}
+    traced_leaves = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            v = Var(leaf.shape, leaf.dtype, leaf.device)
+            inputs.append(v)
+            traced_leaves.append(Tracer(v, t))
+        else:
+            static[i] = leaf
+            traced_leaves.append(leaf)
+    targs, tkwargs = tree_unflatten(in_tree, traced_leaves)
+    # Under grad mode, so that ops take their differentiable path (no donation).
+    with _recording(t), torch.enable_grad():
+        out = fn(*targs, **tkwargs)
+    out_leaves, out_tree = tree_flatten(out)
+    outputs = [_output_atom(leaf, t) for leaf in out_leaves]
+    return OpList(inputs, t.eqns, outputs, in_tree=in_tree, out_tree=out_tree, static=static)
+
+
+def _output_atom(leaf: Any, t: _Trace):
+    if isinstance(leaf, Tracer):
+        if leaf._trace is not t:
+            raise TraceError("functe.trace: the function returned a traced value from another trace")
+        return leaf._var
+    if leaf is None or isinstance(leaf, Tensor):
+        if isinstance(leaf, Tensor) and leaf.requires_grad:
+            raise TraceError(
+                f"functe.trace: the function returned a captured tensor {describe(leaf)} that requires gradients; "
+                "pass it as an argument instead"
+            )
+        return Literal(leaf)
+    raise TraceError(f"functe.trace: outputs must be tensors or None, got {describe(leaf)}")
+
+
+# ----------------------------------------------------------------------------- opaque functions
+
+
+_OPAQUE: dict[Any, CustomVJP] = {}
+
+
+def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
+    """Make ``fn`` (any function of tensors) an op that a trace records as one equation.
+
+    The op runs ``fn`` as-is; its backward rule differentiates ``fn`` with
+    ``torch.func.vjp`` (recomputing the forward). Keyword arguments of a call
+    are static. Calling the same ``fn`` twice gives the same op.
+
+    Example:
+        >>> import torch, functe
+        >>> tanh = functe.opaque(torch.tanh)
+        >>> print(functe.trace(lambda x: tanh(x) * 2.0)(torch.ones(3)))
+        { lambda a:f32[3]. let
+            b:f32[3] = opaque_tanh a
+            c:f32[3] = constant_scale[scale=2.0] b
+          in (c,) }
+        >>> torch.func.grad(lambda x: tanh(x).sum())(torch.zeros(2)).tolist()
+        [1.0, 1.0]
+    """
+    key = (fn, name)
+    op = _OPAQUE.get(key)
+    if op is None:
+        label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"
+
+        def fwd(*args, **static):
+            return fn(*args, **static), args
+
+        op = _OPAQUE[key] = custom_vjp(label, fwd, functools.partial(vjp_call, fn))
+    return op
+
+
+def vjp_call(fn: Callable, args: tuple, ct: Any, **static) -> tuple:
+    """The cotangents of ``fn(*args, **static)``'s positional arguments for output cotangent ``ct``.
+
+    One entry per argument, each a pytree like it (``None`` for leaves that
+    are not floating-point tensors or get no gradient). Outputs that are
+    ``None``, not floating-point, or have a ``None`` cotangent are skipped.
+    Inside a transform or under grad mode (higher order) it uses
+    ``torch.func.vjp``; a first-order eager backward takes the cheaper
+    ``torch.autograd.grad`` route.
+    """
+    leaves, tree = tree_flatten(args)
+    diff = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+    ct_leaves = tree_flatten(ct)[0]
+    taken: list[int] = []
+
+    def f(*xs):
+        full = list(leaves)
+        for i, x in zip(diff, xs):
+            full[i] = x
+        outs = tree_flatten(fn(*tree_unflatten(tree, full), **static))[0]
+        taken[:] = [j for j, (o, c) in enumerate(zip(outs, ct_leaves)) if c is not None and _is_float(o)]
+        return tuple(outs[j] for j in taken)
+
+    tensors = [t for t in (*ct_leaves, *leaves) if isinstance(t, Tensor)]
+    if torch.is_grad_enabled() or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        _, pull = torch.func.vjp(f, *(leaves[i] for i in diff))
+        grads = pull(tuple(ct_leaves[j] for j in taken))
+    else:
+        # A first-order eager backward: plain autograd is several times cheaper than torch.func.vjp.
+        with torch.enable_grad():
+            xs = [leaves[i].detach().requires_grad_() for i in diff]
+            outs = f(*xs)
+            pairs = [(o, ct_leaves[j]) for o, j in zip(outs, taken) if o.requires_grad]
+            grads = (
+                torch.autograd.grad([o for o, _ in pairs], xs, [c for _, c in pairs], allow_unused=True)
+                if pairs
+                else [None] * len(xs)
+            )
+    flat: list = [None] * len(leaves)
+    for i, g in zip(diff, grads):
+        flat[i] = g
+    return tuple(tree_unflatten(tree, flat))
+
+
+def _is_float(value) -> bool:
+    return isinstance(value, Tensor) and value.is_floating_point()
+
+
+# ----------------------------------------------------------------------------- arithmetic on tracers
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _ops():
+    from . import ops  # imported lazily: functe.ops imports this package's core
+
+    return ops
+
+
+def _add(a, b):
+    """``a + b`` as add_extra_input (same shapes) or bias (``b`` one value per feature of ``a``)."""
+    ops = _ops()
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        if a.shape == b.shape:
+            return ops.add_extra_input(a, b)
+        if b.dim() == 1 and a.dim() >= 1 and b.shape[0] == a.shape[-1]:
+            return ops.bias(a, b)
+        if a.dim() == 1 and b.dim() >= 1 and a.shape[0] == b.shape[-1]:
+            return ops.bias(b, a)
+    raise TraceError(
+        f"functe.trace: {describe(a)} + {describe(b)} has no functe op: functe records x + y for equal shapes "
+        "(add_extra_input) and x + b for a per-feature b (bias); use functe.opaque for anything else"
+    )
+
+
+def _torch_add(a, b, *, alpha=1):
+    if alpha != 1:
+        b = _scale(b, alpha)
+    return _add(a, b)
+
+
+def _scale(x, s):
+    if not (isinstance(x, Tensor) and _is_number(s)):
+        raise TraceError(
+            f"functe.trace: {describe(x)} * {describe(s)} has no functe op: functe records the product of a "
+            "traced value and a Python number (constant_scale); use functe.opaque for anything else"
+        )
+    return _ops().constant_scale(x, s)
+
+
+def _mul(a, b):
+    return _scale(b, a) if _is_number(a) else _scale(a, b)
+
+
+def _div(a, b):
+    if not _is_number(b):
+        raise TraceError(f"functe.trace: {describe(a)} / {describe(b)}: only division by a Python number is recorded")
+    return _scale(a, 1.0 / b)
+
+
+def _sub(a, b):
+    return _add(a, _scale(b, -1.0))
+
+
+def _rsub(a, b):
+    return _add(b, _scale(a, -1.0))
+
+
+def _reshape(x, *shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    return _ops().reshape(x, shape)
+
+
+def _torch_reshape(x, shape):
+    return _ops().reshape(x, shape)
+
+
+def _linear(x, weight, bias=None):
+    return _ops().linear(x, weight, bias)
+
+
+def _same(x, *args, **kwargs):
+    return x
+
+
+def _to(x, *args, **kwargs):
+    # Only no-op conversions are recorded: a dtype or device change has no op.
+    target = [a for a in (*args, *kwargs.values()) if isinstance(a, (torch.dtype, torch.device, str))]
+    if all(t in (x.dtype, x.device, str(x.device)) for t in target) and not kwargs.get("copy", False):
+        return x
+    raise _unsupported(Tensor.to, (x, *args))
+
+
+T = Tensor
+_TRANSLATIONS: dict[Any, Callable] = {
+    T.__add__: _add,
+    T.__radd__: lambda a, b: _add(b, a),
+    T.add: _torch_add,
+    torch.add: _torch_add,
+    T.__sub__: _sub,
+    T.__rsub__: _rsub,
+    T.sub: _sub,
+    torch.sub: _sub,
+    T.__mul__: _mul,
+    T.__rmul__: _mul,
+    T.mul: _mul,
+    torch.mul: _mul,
+    T.__truediv__: _div,
+    T.div: _div,
+    torch.div: _div,
+    T.__neg__: lambda x: _scale(x, -1.0),
+    T.neg: lambda x: _scale(x, -1.0),
+    torch.neg: lambda x: _scale(x, -1.0),
+    T.__pos__: _same,
+    T.reshape: _reshape,
+    T.view: _reshape,
+    torch.reshape: _torch_reshape,
+    torch.nn.functional.linear: _linear,
+    T.contiguous: _same,
+    T.to: _to,
+}
+
+# Queries that read metadata only: answered by the wrapper tensor itself.
+_METADATA = {
+    T.shape.__get__,
+    T.dtype.__get__,
+    T.device.__get__,
+    T.ndim.__get__,
+    T.requires_grad.__get__,
+    T.is_cuda.__get__,
+    T.is_meta.__get__,
+    T.layout.__get__,
+    T.dim,
+    T.size,
+    T.numel,
+    T.stride,
+    T.is_contiguous,
+    T.is_floating_point,
+    T.is_complex,
+    T.element_size,
+    T.__len__,
+    T.__hash__,
+    T.get_device,
+}

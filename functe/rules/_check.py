@@ -1,0 +1,157 @@
+"""``functe.rules.check``: a rule's fused program against the unfused one, on random inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._fuse import fuse
+from .._tree import leaf_paths, tree_flatten, tree_unflatten
+from ..testing import assert_close
+from ._pattern import Pattern, Rule, RuleSet
+
+Tensor = torch.Tensor
+
+
+def _pattern_program(pattern: Pattern, static: dict[str, dict[str, Any]]) -> Callable:
+    """The unfused program a pattern describes: its nodes called on its captures.
+
+    The program takes the captures as keyword arguments and returns the
+    outputs of pattern nodes that no other node consumes (a fork's other
+    branch included), so the match has a single root and no dead ends.
+    """
+
+    def program(**captures):
+        outs: list[Tensor] = []
+
+        def call(node: Pattern, wanted: int | None):
+            args = []
+            for i in node.inputs:
+                if isinstance(i, Pattern):
+                    args.append(call(i, i.out))
+                else:
+                    args.append(None if i is None else captures[i])
+            result = node.op[0](*args, **static.get(node.name, {}))
+            results = result if isinstance(result, tuple) else (result,)
+            k = 0 if wanted is None else wanted
+            outs.extend(r for j, r in enumerate(results) if j != k)
+            return results[k]
+
+        root = call(pattern, 0)
+        return (root, *outs)
+
+    return program
+
+
+def check(
+    rule: Rule,
+    example_args: Any,
+    *,
+    fn: Callable | None = None,
+    static: dict[str, dict[str, Any]] | None = None,
+    recipe: Any = None,
+    seed: int = 0,
+) -> None:
+    """Check that ``rule`` fires and that the fused program equals the unfused one.
+
+    The program is ``fn`` if given (called as ``fn(*example_args)``), else the
+    rule's own pattern: its nodes applied to the captures, which
+    ``example_args`` (a dict ``capture -> tensor or None``) provides;
+    ``static`` gives static arguments per named pattern node (e.g.
+    ``{"scale": {"scale": 2.0}}``). Tensors in ``example_args`` only set
+    shapes, dtypes and devices: the values are redrawn from a normal
+    distribution (uniform [0, 1) for 16-bit dtypes, as TransformerEngine's
+    tests draw them, so that rounding of intermediates cannot be amplified
+    by cancellation).
+
+    Asserts: the rule fires (else the declined reasons are reported); the
+    fused outputs and the gradients of every floating-point input, computed
+    in the inputs' dtype, match the unfused program evaluated in float64 on
+    the same (rounded) inputs within :mod:`functe.testing`'s tolerance (for
+    float32 the float16 entry, TransformerEngine's convention for GEMM
+    results); and, where the rule also fires in float64, fused and unfused
+    agree within the float64 tolerance.
+
+    Example:
+        >>> import torch
+        >>> from functe.rules import check
+        >>> from functe.rules.core import FORWARD_LINEAR_BIAS_ADD
+        >>> check(FORWARD_LINEAR_BIAS_ADD, {"x": torch.ones(4, 8), "w": torch.ones(6, 8),
+        ...                                 "b": torch.ones(6), "r": torch.ones(4, 6)})
+    """
+    if fn is None:
+        if not isinstance(example_args, dict):
+            raise TypeError("functe.rules.check: without fn, example_args must map the pattern's captures to values")
+        program, call = _pattern_program(rule.pattern, static or {}), (lambda f, a: f(**a))
+    else:
+        program, call = fn, (lambda f, a: f(*a))
+    gen = torch.Generator().manual_seed(seed)
+    args = _redraw(example_args, gen)
+    fused = fuse(program, rules=RuleSet([rule]), recipe=recipe)
+    plan = fused.plan(*args) if fn is not None else fused.plan(**args)
+    stats = plan.stats[rule.phase]
+    if not stats.fired.get(rule.name):
+        reasons = "; ".join(f"{where}: {why}" for name, where, why in stats.declined if name == rule.name)
+        raise AssertionError(f"rule {rule.name} did not fire" + (f" (declined: {reasons})" if reasons else ""))
+    got = _outputs_and_grads(fused, call, args, gen)
+    unfused = fuse(program, rules=RuleSet(), recipe=recipe)
+    wide = _map(args, lambda t: t.detach().to(torch.float64) if t.is_floating_point() else t)
+    cts64 = [c.to(torch.float64) for c in got[2]]  # the reference reuses the rounded cotangents
+    expected = _outputs_and_grads(unfused, call, wide, gen, cts=cts64)
+    _compare(got, expected, rule.name, "fused vs unfused float64")
+    fused64 = fuse(program, rules=RuleSet([rule]), recipe=recipe)
+    plan64 = fused64.plan(*wide) if fn is not None else fused64.plan(**wide)
+    if plan64.stats[rule.phase].fired.get(rule.name):
+        _compare(_outputs_and_grads(fused64, call, wide, gen, cts=cts64), expected, rule.name, "both float64")
+
+
+def _map(tree: Any, f: Callable[[Tensor], Tensor]) -> Any:
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten(spec, [f(x) if isinstance(x, Tensor) else x for x in leaves])
+
+
+def _redraw(tree: Any, gen: torch.Generator) -> Any:
+    def draw(t: Tensor) -> Tensor:
+        if not t.is_floating_point():
+            return t
+        if t.dtype in (torch.float16, torch.bfloat16):
+            values = torch.rand(t.shape, generator=gen, dtype=torch.float64)
+        else:
+            values = torch.randn(t.shape, generator=gen, dtype=torch.float64)
+        return values.to(t.dtype).to(t.device)
+
+    return _map(tree, draw)
+
+
+def _outputs_and_grads(fused, call, args, gen, cts=None):
+    """Outputs, gradients (argument path -> gradient) for output cotangents ``cts`` (drawn in the
+    outputs' dtypes if None), and ``cts``."""
+    args = _map(args, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
+    outs = [o for o in tree_flatten(call(fused, args))[0] if isinstance(o, Tensor)]
+    if cts is None:
+        cts = [_redraw(o.detach(), gen) for o in outs]
+    leaves = tree_flatten(args)[0]
+    paths = [p for p, t in zip(leaf_paths(args), leaves) if isinstance(t, Tensor) and t.requires_grad]
+    inputs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(outs, inputs, cts, allow_unused=True)
+    return outs, dict(zip(paths, grads)), cts
+
+
+def _tolerance(t: Tensor) -> torch.dtype:
+    # TransformerEngine compares float32 GEMM results with the float16 tolerance: a dot product's
+    # rounding grows with its length and cancels. float64 keeps its own (the algebraic check).
+    return torch.float16 if t.dtype == torch.float32 else t.dtype
+
+
+def _compare(got, expected, name: str, what: str) -> None:
+    for i, (g, e) in enumerate(zip(got[0], expected[0])):
+        assert_close(g, e, dtype=_tolerance(g), msg=f"rule {name}, output {i} ({what})")
+    for path, g in got[1].items():
+        e = expected[1][path]
+        if g is None or e is None:
+            other = e if g is None else g
+            assert other is None or not other.any(), f"rule {name}, gradient of {path} ({what}): one side is missing"
+            continue
+        assert_close(g, e, dtype=_tolerance(g), msg=f"rule {name}, gradient of {path} ({what})")

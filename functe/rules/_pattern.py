@@ -1,0 +1,438 @@
+"""Fusion rules as data: patterns over op lists, rules, rule sets, and the rewrite driver.
+
+A :class:`Pattern` is a tree over dataflow edges rooted at the *last* op of a
+fusion: ``Pattern(add_extra_input, Pattern(linear, "x", "w", "b"), "r")``
+matches an ``add_extra_input`` whose first input is produced by a ``linear``.
+Inputs of a pattern node are
+
+* a string: a named capture of whatever atom is there (``"_"`` matches
+  anything without capturing; a name used twice must see the same atom);
+* ``None``: the input must be the literal ``None`` (an absent optional argument);
+* a nested :class:`Pattern`: the input must be a var produced by a matching
+  equation. That producer's output must have this single consumer, unless the
+  nested pattern says ``shared=True`` (the fused op then also produces it).
+
+A :class:`Rule` couples a pattern with a phase, an optional ``condition``
+(``None`` to accept, or a *reason* string to decline, shown by
+``functe.explain``) and a ``rewrite`` returning the fused equation (usually
+``m.fuse(op, inputs, outputs)``). Phases (see docs/fusion.md):
+
+* ``"forward"``: the fused op's forward rule replaces the covered ops'
+  forwards and must return ``(out, (res_1, ..., res_k))``: exactly the
+  residuals the covered ops' own forward rules return, in program order, so
+  that the unfused (or separately fused) backward can consume them;
+* ``"backward"``: the fused op's backward rule replaces the covered ops'
+  backwards; it receives ``(res_1, ..., res_k)`` as the covered forwards made them;
+* ``"joint"``: the fused op replaces the covered ops in both passes, with
+  residuals of its own.
+
+A :class:`RuleSet` is an ordered, immutable collection; ``a + b`` concatenates
+(rule names must be unique). :func:`rewrite` applies one phase's rules to a
+fixed point: rules are tried in order, each everywhere it matches, repeatedly,
+until nothing fires (or ``max_rewrites`` is exceeded), counting matches per rule
+and collecting the reasons of declined matches.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import FuncteError, TraceError
+from .._oplist import Atom, Eqn, Literal, OpList, Var, check_oplist, is_none, toposort
+from .._trace import forward_on_meta
+from .._tree import tree_flatten
+
+PHASES = ("joint", "forward", "backward")
+
+
+class Pattern:
+    """One node of a pattern (see the module docstring).
+
+    Args:
+        op: the op to match (a :class:`functe.CustomVJP`), or a tuple of alternatives.
+        *inputs: one entry per flat input of the op: a capture name, ``None``,
+            or a nested :class:`Pattern`.
+        name: capture name for the matched equation (``m.eqn(name)``).
+        out: for a nested pattern, the output index of this op that must feed
+            the consumer (``None``: any; ``m.edge(name)`` tells which).
+        commutative: also try the first two inputs swapped.
+        shared: for a nested pattern, the feeding output may have other consumers.
+    """
+
+    __slots__ = ("commutative", "inputs", "name", "op", "out", "shared")
+
+    def __init__(
+        self,
+        op,
+        *inputs: str | Pattern | None,
+        name: str | None = None,
+        out: int | None = None,
+        commutative: bool = False,
+        shared: bool = False,
+    ):
+        self.op = op if isinstance(op, tuple) else (op,)
+        self.inputs = inputs
+        self.name = name
+        self.out = out
+        self.commutative = commutative
+        self.shared = shared
+        for i in inputs:
+            if not (i is None or isinstance(i, (str, Pattern))):
+                raise TypeError(f"Pattern inputs are capture names, None or Patterns, got {i!r}")
+
+    def __repr__(self):
+        args = ", ".join(repr(i) for i in self.inputs)
+        return f"{'|'.join(op.name for op in self.op)}({args})"
+
+
+class Match:
+    """A successful structural match, handed to a rule's condition and rewrite.
+
+    ``m["x"]`` is the atom captured as ``"x"``; ``m.eqn("lin")`` the equation
+    captured by the pattern node named ``"lin"``; ``m.edge("lin")`` which of its
+    outputs feeds its consumer. ``covered`` lists the matched equations in
+    program order and ``outputs`` their outputs used outside the match (the
+    fused equation must define all of them). ``recipe`` is the executor's recipe.
+    """
+
+    def __init__(self, rule: Rule, captures, eqns, edges, covered, outputs, recipe):
+        self.rule = rule
+        self.captures: dict[str, Atom] = captures
+        self.eqns: dict[str, Eqn] = eqns
+        self.edges: dict[str, int] = edges
+        self.covered: tuple[Eqn, ...] = covered
+        self.outputs: tuple[Var, ...] = outputs
+        self.recipe = recipe
+
+    def __getitem__(self, name: str) -> Atom:
+        return self.captures[name]
+
+    def eqn(self, name: str) -> Eqn:
+        return self.eqns[name]
+
+    def edge(self, name: str) -> int:
+        return self.edges[name]
+
+    def params(self, name: str) -> dict[str, Any]:
+        return self.eqns[name].params
+
+    def fuse(self, op, inputs: Sequence[Atom], outputs: Sequence[Var] | None = None, **params) -> Eqn:
+        """The fused equation ``outputs = op(*inputs, **params)`` (outputs default to ``self.outputs``)."""
+        return Eqn(op, inputs, self.outputs if outputs is None else outputs, params)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rewrite rule (see the module docstring).
+
+    Args:
+        name: unique within a rule set; counters and explanations use it.
+        phase: ``"forward"``, ``"backward"`` or ``"joint"``.
+        pattern: the :class:`Pattern` to find.
+        rewrite: ``rewrite(m: Match) -> Eqn``.
+        condition: ``condition(m: Match) -> str | None``: a reason to decline, or ``None``.
+        doc: one line saying what the rule does (``lhs -> rhs``).
+    """
+
+    name: str
+    phase: str
+    pattern: Pattern
+    rewrite: Callable[[Match], Eqn]
+    condition: Callable[[Match], str | None] | None = None
+    doc: str = ""
+    location: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.phase not in PHASES:
+            raise ValueError(f"rule {self.name}: phase must be one of {PHASES}, got {self.phase!r}")
+        if not isinstance(self.pattern, Pattern):
+            raise TypeError(f"rule {self.name}: pattern must be a Pattern, got {type(self.pattern).__name__}")
+        if not self.location:
+            frame = sys._getframe(2)
+            object.__setattr__(self, "location", f"{frame.f_code.co_filename}:{frame.f_lineno}")
+
+    def __add__(self, other) -> RuleSet:
+        return RuleSet((self,)) + other
+
+    def __repr__(self):
+        return f"Rule({self.name}, {self.phase}, {self.pattern!r})"
+
+
+class RuleSet:
+    """An ordered, immutable collection of rules; ``a + b`` concatenates.
+
+    Example:
+        >>> from functe.rules import DEFAULT_RULES, RuleSet
+        >>> len(RuleSet()), len(DEFAULT_RULES + RuleSet()) == len(DEFAULT_RULES)
+        (0, True)
+    """
+
+    __slots__ = ("rules",)
+
+    def __init__(self, rules: Sequence[Rule] = ()):
+        rules = tuple(rules)
+        names = [r.name for r in rules]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"rule names must be unique in a RuleSet; repeated: {duplicates}")
+        for r in rules:
+            if not isinstance(r, Rule):
+                raise TypeError(f"a RuleSet holds Rules, got {type(r).__name__}")
+        self.rules = rules
+
+    def __add__(self, other) -> RuleSet:
+        if isinstance(other, Rule):
+            return RuleSet((*self.rules, other))
+        if isinstance(other, RuleSet):
+            return RuleSet((*self.rules, *other.rules))
+        return NotImplemented
+
+    def __iter__(self):
+        return iter(self.rules)
+
+    def __len__(self):
+        return len(self.rules)
+
+    def phase(self, phase: str) -> tuple[Rule, ...]:
+        """The rules of one phase, in order."""
+        return tuple(r for r in self.rules if r.phase == phase)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.rules)
+
+    def __repr__(self):
+        return f"RuleSet({', '.join(self.names)})"
+
+
+@dataclass
+class RewriteStats:
+    """What one :func:`rewrite` did: matches per rule and declined matches with reasons."""
+
+    fired: dict[str, int] = field(default_factory=dict)
+    declined: list[tuple[str, str, str]] = field(default_factory=list)  # (rule, where, reason)
+
+
+# ----------------------------------------------------------------------------- matching
+
+
+class _Graph:
+    """Indexes of one op list used while matching."""
+
+    def __init__(self, oplist: OpList):
+        self.oplist = oplist
+        self.producers = oplist.producers()
+        self.uses = oplist.uses()
+        self.outputs = {id(a) for a in oplist.outputs if isinstance(a, Var)}
+
+
+@dataclass(frozen=True)
+class _State:
+    captures: dict
+    eqns: dict
+    edges: dict
+    covered: tuple
+    violations: tuple
+
+
+def _ops_match(pattern: Pattern, eqn: Eqn) -> bool:
+    return any(eqn.op is op for op in pattern.op)
+
+
+def _match(pattern: Pattern, eqn: Eqn, state: _State, g: _Graph) -> Iterator[_State]:
+    if not _ops_match(pattern, eqn) or eqn.phase == "joint" or len(pattern.inputs) != len(eqn.inputs):
+        return
+    eqns = dict(state.eqns)
+    if pattern.name:
+        eqns[pattern.name] = eqn
+    state = _State(state.captures, eqns, state.edges, (*state.covered, eqn), state.violations)
+    orders = [pattern.inputs]
+    if pattern.commutative and len(pattern.inputs) >= 2:
+        orders.append((pattern.inputs[1], pattern.inputs[0], *pattern.inputs[2:]))
+    for inputs in orders:
+        yield from _match_inputs(inputs, eqn.inputs, state, g)
+
+
+def _same_atom(a: Atom, b: Atom) -> bool:
+    return a is b or (isinstance(a, Literal) and isinstance(b, Literal) and a.value is b.value)
+
+
+def _match_inputs(pats, atoms, state: _State, g: _Graph) -> Iterator[_State]:
+    if not pats:
+        yield state
+        return
+    p, a = pats[0], atoms[0]
+    rest = pats[1:], atoms[1:]
+    if p is None:
+        if is_none(a):
+            yield from _match_inputs(*rest, state, g)
+    elif isinstance(p, str):
+        if p == "_":
+            yield from _match_inputs(*rest, state, g)
+        elif p in state.captures:
+            if _same_atom(state.captures[p], a):
+                yield from _match_inputs(*rest, state, g)
+        else:
+            captures = {**state.captures, p: a}
+            yield from _match_inputs(
+                *rest, _State(captures, state.eqns, state.edges, state.covered, state.violations), g
+            )
+    elif isinstance(a, Var) and a in g.producers:
+        producer, k = g.producers[a]
+        if (p.out is not None and p.out != k) or producer in state.covered:
+            return
+        uses = g.uses.get(a, 0)
+        violations = state.violations
+        if uses != 1 and not p.shared:
+            violations = (*violations, f"the output {a.aval} of {producer.name} has {uses} consumers")
+        edges = {**state.edges, p.name: k} if p.name else state.edges
+        state = _State(state.captures, state.eqns, edges, state.covered, violations)
+        for s in _match(p, producer, state, g):
+            yield from _match_inputs(*rest, s, g)
+
+
+def _external_outputs(covered: Sequence[Eqn], g: _Graph) -> tuple[Var, ...]:
+    inside = {id(e) for e in covered}
+    used_outside: set[int] = set(g.outputs)
+    for e in g.oplist.eqns:
+        if id(e) not in inside:
+            used_outside.update(id(a) for a in e.inputs if isinstance(a, Var))
+    return tuple(v for e in covered for v in e.outputs if v is not None and id(v) in used_outside)
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+class _Rewriter:
+    def __init__(self, rules: Sequence[Rule], phase: str, recipe: Any, max_rewrites: int):
+        self.rules = rules
+        self.phase = phase
+        self.recipe = recipe
+        self.max_rewrites = max_rewrites
+        self.stats = RewriteStats()
+        self._declined: set[tuple[str, int, str]] = set()
+
+    def run(self, oplist: OpList) -> OpList:
+        self.rank = {o: i for i, o in enumerate(o for e in oplist.eqns for o in e.originals)}
+        count = 0
+        changed = True
+        while changed:
+            changed = False
+            for rule in self.rules:
+                while (new := self._apply_once(rule, oplist)) is not None:
+                    oplist = new
+                    changed = True
+                    count += 1
+                    self.stats.fired[rule.name] = self.stats.fired.get(rule.name, 0) + 1
+                    if count > self.max_rewrites:
+                        raise FuncteError(
+                            f"functe.rules: no fixed point after {self.max_rewrites} rewrites in the {self.phase} "
+                            f"phase (last rule: {rule.name}); does a rule match its own result?"
+                        )
+        return oplist
+
+    def _decline(self, rule: Rule, root: Eqn, reason: str) -> None:
+        key = (rule.name, id(root), reason)
+        if key not in self._declined:
+            self._declined.add(key)
+            self.stats.declined.append((rule.name, f"{root.name} -> {_describe_outputs(root)}", reason))
+
+    def _apply_once(self, rule: Rule, oplist: OpList) -> OpList | None:
+        g = _Graph(oplist)
+        root_ops = rule.pattern.op
+        for root in oplist.eqns:
+            if not any(root.op is op for op in root_ops):
+                continue
+            for state in _match(rule.pattern, root, _State({}, {}, {}, (), ()), g):
+                if state.violations:
+                    self._decline(rule, root, state.violations[0])
+                    continue
+                new = self._try(rule, root, state, g)
+                if new is not None:
+                    return new
+        return None
+
+    def _try(self, rule: Rule, root: Eqn, state: _State, g: _Graph) -> OpList | None:
+        position = {e: i for i, e in enumerate(g.oplist.eqns)}
+        covered = tuple(sorted(state.covered, key=position.__getitem__))
+        m = Match(rule, state.captures, state.eqns, state.edges, covered, _external_outputs(covered, g), self.recipe)
+        reason = rule.condition(m) if rule.condition is not None else None
+        if reason is not None:
+            self._decline(rule, root, reason)
+            return None
+        fused = rule.rewrite(m)
+        if not isinstance(fused, Eqn):
+            raise TypeError(f"rule {rule.name}: rewrite must return an Eqn, got {type(fused).__name__}")
+        missing = [v for v in m.outputs if not any(v is o for o in fused.outputs)]
+        if missing:
+            raise TraceError(
+                f"rule {rule.name}: the fused equation must define every output used outside the match; "
+                f"missing {missing}"
+            )
+        originals = sorted({o for e in covered for o in e.originals}, key=self.rank.__getitem__)
+        fused = fused.replace(covers=tuple(originals), phase=rule.phase)
+        _check_fused(rule, fused)
+        rest = [e for e in g.oplist.eqns if e not in covered]
+        priority = {e: float(position[e]) for e in rest}
+        priority[fused] = float(max(position[e] for e in covered))
+        order = toposort([*rest, fused], priority)
+        if order is None:
+            self._decline(rule, root, "fusing would create a cycle: an outside op both consumes and feeds the match")
+            return None
+        new = g.oplist.replace(eqns=tuple(order))
+        check_oplist(new)
+        return new
+
+
+def _describe_outputs(eqn: Eqn) -> str:
+    return ", ".join(v.aval for v in eqn.outputs if v is not None)
+
+
+def _check_fused(rule: Rule, fused: Eqn) -> None:
+    """Shape-check the fused op on meta tensors; a forward fusion must return one residual per covered op."""
+    out, res = forward_on_meta(fused.op, fused.inputs, fused.params, fused.in_tree)
+    leaves, tree = tree_flatten(out)
+    got = [None if leaf is None else (tuple(leaf.shape), leaf.dtype) for leaf in leaves]
+    want = [None if v is None else (v.shape, v.dtype) for v in fused.outputs]
+    if got != want or tree != fused.out_tree:
+        raise TraceError(
+            f"rule {rule.name}: the fused op {fused.name} returns {got} with structure {tree}, "
+            f"but the equation declares {want} with structure {fused.out_tree}"
+        )
+    if rule.phase == "forward" and not (isinstance(res, tuple) and len(res) == len(fused.covers)):
+        raise TraceError(
+            f"rule {rule.name}: the forward rule of {fused.name} must return one residual per covered op "
+            f"({len(fused.covers)}: {', '.join(e.name for e in fused.covers)}), got "
+            f"{len(res) if isinstance(res, tuple) else type(res).__name__}"
+        )
+
+
+def rewrite(
+    oplist: OpList, rules: RuleSet, phase: str, *, recipe: Any = None, max_rewrites: int = 1000
+) -> tuple[OpList, RewriteStats]:
+    """Apply ``rules`` of one ``phase`` to ``oplist`` until nothing fires.
+
+    Returns the rewritten op list and the :class:`RewriteStats` (matches per
+    rule, declined matches with reasons).
+
+    Example:
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> from functe.rules import DEFAULT_RULES, rewrite
+        >>> program = functe.trace(lambda x, w, r: ops.linear(x, w) + r)(
+        ...     torch.ones(4, 8), torch.ones(16, 8), torch.ones(4, 16))
+        >>> fused, stats = rewrite(program, DEFAULT_RULES, "forward")
+        >>> print(fused)
+        { lambda a:f32[4,8] b:f32[16,8] c:f32[4,16]. let
+            d:f32[4,16] = forward_linear_add[bias_op=False scale=None] a b None c
+          in (d,) }
+        >>> stats.fired
+        {'forward_linear_bias_add': 1}
+    """
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    rewriter = _Rewriter(rules.phase(phase), phase, recipe, max_rewrites)
+    return rewriter.run(oplist), rewriter.stats

@@ -1,0 +1,66 @@
+"""Helpers for the tracing, rule and executor tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+import functe
+from functe.testing import assert_close
+
+F64 = torch.float64
+LOW = (torch.float16, torch.bfloat16)
+
+
+def draw(shape, dtype, gen: torch.Generator) -> torch.Tensor:
+    """A test input in ``dtype``: normal values (negatives included) for fp32/fp64; TransformerEngine's
+    uniform [0, 1) for 16-bit dtypes, since a composite rounds intermediates and cancellation would
+    make any fixed relative tolerance meaningless."""
+    if dtype in LOW:
+        return torch.rand(shape, generator=gen, dtype=F64).to(dtype)
+    return torch.randn(shape, generator=gen, dtype=F64).to(dtype)
+
+
+def outputs_and_grads(fn: Callable, args: Sequence, cts: Sequence | None = None, gen=None):
+    """Outputs of ``fn(*args)`` (a tensor or tuple), gradients of every floating tensor argument for
+    output cotangents ``cts`` (drawn with ``draw`` in each output's dtype if None), and ``cts``."""
+    args = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    out = fn(*args)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    if cts is None:
+        cts = [draw(o.shape, o.dtype, gen) for o in outs]
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = torch.autograd.grad(outs, inputs, [c.to(o.dtype) for c, o in zip(cts, outs)], allow_unused=True)
+    return outs, grads, cts
+
+
+def tolerance_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The tolerance entry for GEMM results: TransformerEngine compares float32 GEMMs with the float16
+    tolerance (a dot product's rounding grows with its length and cancels); others use their own."""
+    return torch.float16 if dtype == torch.float32 else dtype
+
+
+def assert_matches_float64(fused: Callable, fn: Callable, args: Sequence, *, seed: int = 0, what: str = ""):
+    """``fused(*args)`` and its gradients, in the arguments' dtype, match ``fn`` evaluated in float64 on
+    the same rounded inputs with the same rounded cotangents, within functe.testing's tolerance
+    (:func:`tolerance_dtype`)."""
+    gen = torch.Generator().manual_seed(seed)
+    outs, grads, cts = outputs_and_grads(fused, args, gen=gen)
+    wide = [a.detach().to(F64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref_outs, ref_grads, _ = outputs_and_grads(fn, wide, [c.to(F64) for c in cts])
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        assert o.dtype == args[0].dtype, f"{what} output {i} dtype {o.dtype}"
+        assert_close(o, r, dtype=tolerance_dtype(o.dtype), msg=f"{what} output {i}")
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert (g is None) == (r is None), f"{what} gradient {i}"
+        if g is not None:
+            assert_close(g, r, dtype=tolerance_dtype(g.dtype), msg=f"{what} gradient {i}")
+
+
+def oplist_text(fn: Callable, *args, **kwargs) -> str:
+    return str(functe.trace(fn)(*args, **kwargs))
+
+
+def plan_of(fn: Callable, *args, rules=None, **kwargs):
+    return functe.fuse(fn, rules=rules).plan(*args, **kwargs)

@@ -1,0 +1,390 @@
+"""The fused executor: fused vs unfused numerics for every rule, transforms, compile, caching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fuse_helpers import F64, assert_matches_float64, draw, plan_of
+from helpers import check_transforms, gradchecks, make
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import functe
+from functe import ops
+from functe.rules import DEFAULT_RULES, RuleSet, check
+from functe.rules.core import (
+    BACKWARD_LINEAR_ADD,
+    BACKWARD_LINEAR_SCALE,
+    FORWARD_LINEAR_BIAS_ADD,
+    FORWARD_LINEAR_BIAS_OP_ADD,
+    FORWARD_LINEAR_SCALE_ADD,
+)
+from functe.testing import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LEADS = [(), (0,), (3,), (2, 5), (2, 1, 3)]  # 1-D x, empty, rows, and more leading dims
+
+
+def _linear_add(x, w, b, r):
+    return ops.linear(x, w, b) + r
+
+
+def _linear_bias_op_add(x, w, b, r):
+    return ops.add_extra_input(ops.bias(ops.linear(x, w), b), r)
+
+
+def _linear_scale_add(x, w, b, r, *, scale):
+    return r + ops.linear(x, w, b) * scale
+
+
+def _fork_linear(x, w, b):
+    y, extra = ops.make_extra_output(x)
+    return ops.linear(y, w, b), extra
+
+
+def _linear_scale(x, w, b, *, scale):
+    return ops.constant_scale(ops.linear(x, w, b), scale)
+
+
+def _block(x, w1, w2, b2, *, scale):
+    """Four rules at once: a scaled residual linear, then a forked residual into a biased linear."""
+    h = ops.linear(x, w1) * scale + x
+    y, skip = ops.make_extra_output(h)
+    return ops.linear(y, w2, b2) + skip
+
+
+CASES = {
+    "forward_linear_bias_add": (_linear_add, True, FORWARD_LINEAR_BIAS_ADD),
+    "forward_linear_bias_op_add": (_linear_bias_op_add, True, FORWARD_LINEAR_BIAS_OP_ADD),
+    "forward_linear_scale_add": (_linear_scale_add, True, FORWARD_LINEAR_SCALE_ADD),
+    "backward_linear_add": (_fork_linear, False, BACKWARD_LINEAR_ADD),
+    "backward_linear_scale": (_linear_scale, False, BACKWARD_LINEAR_SCALE),
+}
+
+
+def _args(name, lead, k, n, dtype, gen, *, bias=True):
+    x = draw((*lead, k), dtype, gen)
+    w = draw((n, k), dtype, gen)
+    bias = (bias and name != "forward_linear_scale_add") or name == "forward_linear_bias_op_add"
+    b = draw((n,), dtype, gen) if bias else None
+    if CASES[name][1]:
+        return [x, w, b, draw((*lead, n), dtype, gen)]
+    if name == "backward_linear_add":
+        return [x, draw((k, k), dtype, gen), None if b is None else draw((k,), dtype, gen)]
+    return [x, w, b]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@settings(max_examples=6, deadline=None)
+@given(
+    lead=st.sampled_from(LEADS),
+    k=st.integers(1, 24),
+    n=st.integers(1, 24),
+    dtype=st.sampled_from(DTYPES),
+    bias=st.booleans(),
+    scale=st.sampled_from([1.0, 0.0, -2.5, 3.5]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_matches_unfused_float64(name, lead, k, n, dtype, bias, scale, seed):
+    fn, _, rule = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    args = _args(name, lead, k, n, dtype, gen, bias=bias)
+    static = {"scale": scale} if "scale" in name else {}
+    fused = functe.fuse(lambda *a: fn(*a, **static))
+    plan = fused.plan(*args)
+    assert plan.stats[rule.phase].fired == {name: 1}
+    assert_matches_float64(fused, lambda *a: fn(*a, **static), args, seed=seed, what=name)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    lead=st.sampled_from(LEADS),
+    k=st.integers(1, 16),
+    dtype=st.sampled_from([torch.float32, F64]),
+    scale=st.sampled_from([1.0, -2.5, 0.5]),
+    seed=st.integers(0, 2**16),
+)
+def test_block_with_every_rule_matches_unfused_float64(lead, k, dtype, scale, seed):
+    # A multi-stage program rounds its intermediates (here h) in the fused and the unfused
+    # program alike, so 16-bit dtypes are covered stage by stage by the test above.
+    gen = torch.Generator().manual_seed(seed)
+    args = [draw((*lead, k), dtype, gen), draw((k, k), dtype, gen), draw((k, k), dtype, gen), draw((k,), dtype, gen)]
+    fused = functe.fuse(_block)
+    plan = fused.plan(*args, scale=scale)
+    assert sum(plan.stats["forward"].fired.values()) == 2 and sum(plan.stats["backward"].fired.values()) == 2
+    assert_matches_float64(lambda *a: fused(*a, scale=scale), lambda *a: _block(*a, scale=scale), args, seed=seed)
+
+
+@pytest.mark.parametrize("rule", [FORWARD_LINEAR_BIAS_ADD, FORWARD_LINEAR_BIAS_OP_ADD, BACKWARD_LINEAR_SCALE])
+@settings(max_examples=4, deadline=None)
+@given(lead=st.sampled_from(LEADS), k=st.integers(1, 16), n=st.integers(1, 16), dtype=st.sampled_from(DTYPES))
+def test_check_on_the_rules_own_pattern(rule, lead, k, n, dtype):
+    x, w, b, r = torch.empty(*lead, k), torch.empty(n, k), torch.empty(n), torch.empty(*lead, n)
+    example = {"x": x, "w": w, "b": b, "r": r}
+    if rule is BACKWARD_LINEAR_SCALE:
+        del example["r"]
+    example = {key: v.to(dtype) for key, v in example.items()}
+    check(rule, example, static={"scale": {"scale": -0.75}})
+
+
+def test_check_synthesizes_forks_and_scales():
+    x, w = torch.empty(3, 5), torch.empty(5, 5)
+    check(BACKWARD_LINEAR_ADD, {"x": x, "w": w, "b": None})
+    check(FORWARD_LINEAR_SCALE_ADD, {"x": x, "w": w, "b": None, "r": x}, static={"scale": {"scale": 3.5}})
+    with pytest.raises(
+        AssertionError, match=r"rule forward_linear_scale_add did not fire \(declined: .*linear has a bias"
+    ):
+        check(FORWARD_LINEAR_SCALE_ADD, {"x": x, "w": w, "b": torch.empty(5), "r": x}, static={"scale": {"scale": 2.0}})
+
+
+def test_every_rule_on_both_backends(backend):
+    gen = torch.Generator().manual_seed(1)
+    for name, (fn, _, rule) in CASES.items():
+        args = _args(name, (2, 3), 5, 4, torch.float32, gen)
+        static = {"scale": -2.5} if "scale" in name else {}
+        fused = functe.fuse(lambda *a, fn=fn, static=static: fn(*a, **static))
+        assert fused.plan(*args).stats[rule.phase].fired == {name: 1}
+        assert_matches_float64(fused, lambda *a, fn=fn, static=static: fn(*a, **static), args, what=name)
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def _block_args(dtype=F64):
+    return [make((4, 6), dtype), make((6, 6), dtype), make((6, 6), dtype), make((6,), dtype)]
+
+
+def test_torch_func_transforms_through_fuse(backend):
+    fused = functe.fuse(_block)
+    check_transforms(
+        lambda *a: fused(*a, scale=-0.5), lambda *a: _block(*a, scale=-0.5), _block_args(), higher_order=False
+    )
+    assert fused.trace_count == 1  # vmap sees the same logical shapes
+
+
+def test_second_order_through_intermediate_residuals_raises():
+    fused = functe.fuse(_block)
+    args = _block_args()
+
+    def loss(*a):
+        return (fused(*a, scale=0.5) ** 2).sum()
+
+    msg = r"functe\.fused__block: second-order derivatives are not supported"
+    with pytest.raises(functe.TransformError, match=msg):
+        torch.func.grad(lambda *a: torch.func.grad(loss)(*a).sum())(*args)
+    xs = [a.clone().requires_grad_() for a in args]
+    (g,) = torch.autograd.grad(loss(*xs), xs[:1], create_graph=True)  # first order with a graph: fine
+    with pytest.raises(functe.TransformError, match=msg.replace("fused__block", "fused__block_eager")):
+        g.sum().backward()
+
+
+def test_second_order_is_exact_when_residuals_are_inputs(backend):
+    fused = functe.fuse(_linear_scale)
+    args = [make((3, 4), F64), make((5, 4), F64), make((5,), F64)]
+    check_transforms(lambda *a: fused(*a, scale=2.0), lambda *a: _linear_scale(*a, scale=2.0), args)
+    gradchecks(lambda *a: fused(*a, scale=2.0), args)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x) + x
+        return self.b(h) + h
+
+
+def test_functional_call_over_a_module_params_dict():
+    module = _Residual().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    @functe.fuse
+    def forward(p, x):
+        h = ops.linear(x, p["a.weight"], p["a.bias"]) + x
+        return ops.linear(h, p["b.weight"], p["b.bias"]) + h
+
+    x = make((5, 6), F64)
+    reference = lambda p, x: torch.func.functional_call(module, p, (x,))
+    assert_close(forward(params, x), reference(params, x))
+    grads = torch.func.grad(lambda p: forward(p, x).sum())(params)
+    expected = torch.func.grad(lambda p: reference(p, x).sum())(params)
+    for k in params:
+        assert_close(grads[k], expected[k], msg=k)
+    per_example = torch.func.vmap(torch.func.grad(lambda p, x: forward(p, x[None]).sum()), in_dims=(None, 0))(params, x)
+    assert per_example["a.weight"].shape == (5, 6, 6)
+    assert_close(per_example["b.bias"].sum(0), grads["b.bias"])
+    assert forward.trace_count == 2  # (5, 6) and the per-example (1, 6)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_compile_fullgraph_with_autograd_outside(compiler, backend):
+    if compiler == "inductor" and backend == "interpret":
+        pytest.skip("one compiler suffices for the interpreted kernels")
+    torch._dynamo.reset()
+    fused = functe.fuse(_block)
+    args = [a.float().requires_grad_() for a in _block_args()]
+    loss = lambda *a: (fused(*a, scale=0.5) * torch.arange(6.0)).sum()
+    expected = torch.autograd.grad(loss(*args), args)
+    compiled = torch.compile(loss, fullgraph=True, backend=compiler)
+    for _ in range(2):
+        got = torch.autograd.grad(compiled(*args), args)
+        for g, e in zip(got, expected):
+            assert_close(g, e)
+    assert fused.trace_count == 1  # eager and compiled calls share the plan
+    compiled_fused = torch.compile(fused, fullgraph=True, backend=compiler)  # the Fused object itself
+    weight = torch.arange(6.0)
+    got = torch.autograd.grad((compiled_fused(*args, scale=0.5) * weight).sum(), args)
+    for g, e in zip(got, expected):
+        assert_close(g, e)
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- the cache and the call paths
+
+
+def test_a_new_signature_retraces_and_the_same_one_does_not():
+    fused = functe.fuse(_linear_scale)
+    x, w, b = make((3, 4)), make((5, 4)), make((5,))
+    for _ in range(3):
+        fused(x, w, b, scale=2.0)
+    assert fused.trace_count == 1
+    fused(make((7, 4)), w, b, scale=2.0)  # new shape
+    fused(x.double(), w.double(), b.double(), scale=2.0)  # new dtypes
+    fused(x, w, b, scale=3.0)  # new static argument
+    fused(x, w, None, scale=2.0)  # new structure
+    assert fused.trace_count == 5
+    fused(x.requires_grad_(), w, b, scale=2.0)  # grad requirements do not change the plan
+    torch.func.vmap(lambda x: fused(x, w, b, scale=2.0))(make((2, 3, 4)))
+    assert fused.trace_count == 5
+
+
+def test_unhashable_static_argument_is_a_clear_error():
+    fused = functe.fuse(lambda x, s: ops.constant_scale(x, min(s)))
+    with pytest.raises(functe.TraceError, match=r"non-tensor arguments are static and must be hashable, got \['set'\]"):
+        fused(torch.ones(2), {2.0})
+
+
+def test_inference_and_eager_paths_agree_with_the_op_path():
+    fused = functe.fuse(_block)
+    args = _block_args(torch.float32)
+    with torch.no_grad():
+        inferred = fused(*args, scale=0.5)
+    xs = [a.clone().requires_grad_() for a in args]
+    eager = fused(*xs, scale=0.5)
+    op_out, _ = torch.func.vjp(lambda *a: fused(*a, scale=0.5), *args)
+    assert torch.equal(inferred, eager.detach()) and torch.equal(inferred, op_out)
+    assert eager.grad_fn.name() == "fused__block_eagerBackward"
+
+
+def test_pytree_outputs_passthrough_and_repeated_outputs():
+    @functe.fuse
+    def fn(x, w):
+        y = ops.linear(x, w)
+        return {"y": y, "again": y, "x": x, "none": None}
+
+    x, w = make((2, 3), F64).requires_grad_(), make((4, 3), F64).requires_grad_()
+    out = fn(x, w)
+    assert out["none"] is None and torch.equal(out["x"], x) and torch.equal(out["y"], out["again"])
+    gx, gw = torch.autograd.grad(out["y"].sum() + 2 * out["again"].sum() + out["x"].sum(), (x, w))
+    assert_close(gx, 3 * torch.ones(2, 4, dtype=F64) @ w + 1)
+    assert_close(gw, 3 * torch.ones(4, 2, dtype=F64) @ x)
+
+
+def test_only_residuals_of_live_backward_steps_are_kept():
+    def fn(x, w1, w2):
+        unused = ops.linear(x, w2)  # its backward never runs: no residuals kept for it
+        del unused
+        return ops.linear(x, w1) * 2.0
+
+    plan = plan_of(fn, make((2, 3)), make((4, 3)), make((5, 3)))
+    assert [e.name for e in plan.liveness.residuals] == ["linear", "constant_scale"]
+    assert plan.liveness.residuals[0].inputs[1] is plan.program.inputs[1]  # the live linear (w1)
+    assert "residuals kept for the backward plan: linear, constant_scale" in plan.explain()
+
+
+def test_fuse_inside_a_trace_is_inlined():
+    inner = functe.fuse(lambda x, w: ops.linear(x, w) * 2.0)
+    text = str(functe.trace(lambda x, w: inner(x, w) + x)(torch.zeros(3, 3), torch.zeros(3, 3)))
+    assert "linear a b None" in text and "constant_scale[scale=2.0]" in text and inner.trace_count == 0
+
+
+def test_opaque_functions_in_a_fused_block():
+    gelu = functe.opaque(torch.nn.functional.gelu)
+
+    def mlp(x, w1, b1, w2, b2):
+        return ops.linear(gelu(ops.linear(x, w1, b1), approximate="tanh"), w2, b2) + x
+
+    args = [make((4, 6), F64), make((8, 6), F64), make((8,), F64), make((6, 8), F64), make((6,), F64)]
+    fused = functe.fuse(mlp)
+    assert fused.plan(*args).stats["forward"].fired == {"forward_linear_bias_add": 1}
+    assert_matches_float64(fused, mlp, args)
+    check_transforms(fused, mlp, args, higher_order=False)
+
+
+def test_rules_argument_and_empty_rules():
+    args = _block_args()
+    unfused = functe.fuse(_block, rules=RuleSet())
+    plan = unfused.plan(*args, scale=0.5)
+    assert str(plan.forward) == str(plan.program) == str(plan.backward)
+    assert_close(unfused(*args, scale=0.5), functe.fuse(_block, rules=DEFAULT_RULES)(*args, scale=0.5))
+
+
+class _SyncRecorder(TorchDispatchMode):
+    """Records every aten op that reads tensor data back to the host (a synchronisation on a GPU).
+
+    A dispatch mode sees the ops inside autograd Functions and in the backward pass too; item(),
+    bool(), float() and int() of a tensor all reach ``aten._local_scalar_dense``.
+    """
+
+    SYNCING = frozenset(
+        {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "allclose", "unique", "masked_select"}
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.removeprefix("aten::") in self.SYNCING:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_cached_calls_never_read_tensor_data_on_the_host():
+    fused = functe.fuse(_block)
+    args = [a.float().requires_grad_() for a in _block_args()]
+    torch.autograd.grad(fused(*args, scale=0.5).sum(), args)  # trace and plan (may inspect anything)
+    recorder = _SyncRecorder()
+    with recorder:
+        out = fused(*args, scale=0.5)
+        torch.autograd.grad(out, args, torch.ones_like(out))
+        with torch.no_grad():
+            fused(*args, scale=0.5)
+        torch.func.grad(lambda *a: fused(*a, scale=0.5).sum())(*args)
+    assert recorder.seen == [] and fused.trace_count == 1
+
+
+@pytest.mark.gpu
+def test_cuda_dispatch_and_graph_capture_of_a_training_step():
+    """A whole fwd+bwd step captured in one CUDA graph: possible only without host synchronisation."""
+    dev = "cuda"
+    fused = functe.fuse(_block)
+    args = [a.float().to(dev).requires_grad_() for a in _block_args()]
+    loss = lambda: (fused(*args, scale=0.5) ** 2).sum()
+    expected = torch.autograd.grad(loss(), args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm up (Triton compilation, allocator) off the capture stream
+            torch.autograd.grad(loss(), args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = torch.autograd.grad(loss(), args)
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, e in zip(grads, expected):
+        assert_close(g, e)
+    assert fused.trace_count == 1

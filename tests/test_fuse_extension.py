@@ -1,0 +1,186 @@
+"""Extending the fuser from outside (the spirit of TransformerEngine's TestCustomOps).
+
+A user defines a basic op with custom_vjp, then fused ops and rules for a forward, a backward and a
+joint fusion, passes ``DEFAULT_RULES + my_rules`` to ``functe.fuse``, and checks each rule with
+``functe.rules.check``. Nothing is registered globally.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fuse_helpers import F64, assert_matches_float64
+from helpers import check_transforms, make
+
+import functe
+from functe import ops
+from functe.ops import _core
+from functe.rules import DEFAULT_RULES, Pattern, Rule, RuleSet, check
+
+# ----------------------------------------------------------------------------- a user basic op: a learnable scale
+
+
+def _scale_by_fwd(x, s):
+    return x * s, (x, s)
+
+
+def _scale_by_bwd(res, dy):
+    x, s = res
+    return dy * s, (dy * x).sum()
+
+
+scale_by = functe.custom_vjp("scale_by", _scale_by_fwd, _scale_by_bwd)  # y = s·x for a 0-d tensor s
+
+
+def test_user_basic_op_is_traced_fused_and_differentiated():
+    def fn(x, s, w):
+        return ops.linear(scale_by(x, s), w)
+
+    args = [make((3, 4), F64), make((), F64), make((5, 4), F64)]
+    assert str(functe.trace(fn)(*args)).splitlines()[1] == "    d:f64[3,4] = scale_by a b"
+    fused = functe.fuse(fn)
+    ref = lambda x, s, w: F.linear(x * s, w)
+    assert_matches_float64(fused, ref, args)
+    check_transforms(fused, ref, args, higher_order=False)
+
+
+# ----------------------------------------------------------------------------- a forward fusion: r + s·x in one pass
+
+
+def _axpy_fwd(s, x, r):
+    # r + s·x in one pass; the residuals are exactly what scale_by's and add_extra_input's forwards return
+    return torch.addcmul(r, x, s), ((x, s), None)
+
+
+def _axpy_bwd(res, dy):
+    (x, s), _ = res
+    dx, ds = _scale_by_bwd((x, s), dy)
+    return ds, dx, dy
+
+
+axpy = functe.custom_vjp("axpy", _axpy_fwd, _axpy_bwd)
+
+# add_extra_input(scale_by(x, s), r) -> axpy(s, x, r)
+AXPY = Rule(
+    "axpy",
+    "forward",
+    Pattern(_core._add_extra_input, Pattern(scale_by, "x", "s"), "r", commutative=True),
+    lambda m: m.fuse(axpy, [m["s"], m["x"], m["r"]]),
+    doc="scale_by + residual add in one pass",
+)
+
+
+# ----------------------------------------------------------------------------- a backward fusion: scale_by -> linear
+
+
+def _scaled_linear_fwd(x, s, w):
+    y, x_s = scale_by.fwd(x, s)
+    out, lin = _core._linear_fwd(y, w, None)
+    return out, (x_s, lin)
+
+
+def _scaled_linear_bwd(res, dy):
+    # one dgrad GEMM serves both dx and ds: g = dy·W, dx = s·g, ds = Σ g·x
+    (x, s), (y, w, _) = res
+    g = torch.matmul(dy, w)
+    dw = torch.matmul(dy.reshape(-1, dy.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
+    return g * s, (g * x).sum(), dw
+
+
+scaled_linear = functe.custom_vjp("scaled_linear", _scaled_linear_fwd, _scaled_linear_bwd)
+
+# linear(scale_by(x, s), w, None) -> scaled_linear(x, s, w)
+SCALED_LINEAR = Rule(
+    "scaled_linear",
+    "backward",
+    Pattern(_core._linear, Pattern(scale_by, "x", "s"), "w", None),
+    lambda m: m.fuse(scaled_linear, [m["x"], m["s"], m["w"]]),
+)
+
+
+# ----------------------------------------------------------------------------- a joint fusion: linear -> silu
+
+
+silu = functe.opaque(F.silu)
+
+
+def _linear_silu_fwd(x, w, b):
+    return F.silu(F.linear(x, w, b)), (x, w, b)  # its own residuals: no activation is kept
+
+
+def _linear_silu_bwd(res, dy):
+    x, w, b = res
+    h = F.linear(x, w, b)  # recomputed in the backward
+    sig = torch.sigmoid(h)
+    dh = dy * sig * (1 + h * (1 - sig))
+    dx = torch.matmul(dh, w)
+    dw = torch.matmul(dh.reshape(-1, dh.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+    return dx, dw, None if b is None else dh.reshape(-1, dh.shape[-1]).sum(0)
+
+
+linear_silu = functe.custom_vjp("linear_silu", _linear_silu_fwd, _linear_silu_bwd)
+
+# silu(linear(x, w, b)) -> linear_silu(x, w, b) in both passes
+LINEAR_SILU = Rule(
+    "linear_silu",
+    "joint",
+    Pattern(silu, Pattern(_core._linear, "x", "w", "b")),
+    lambda m: m.fuse(linear_silu, [m["x"], m["w"], m["b"]]),
+)
+
+MY_RULES = RuleSet([AXPY, SCALED_LINEAR, LINEAR_SILU])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+def test_check_each_user_rule(dtype):
+    x, s, r, w, b = (torch.empty(shape, dtype=dtype) for shape in [(3, 4), (), (3, 4), (5, 4), (5,)])
+    check(AXPY, {"x": x, "s": s, "r": r})
+    check(SCALED_LINEAR, {"x": x, "s": s, "w": w})
+    check(LINEAR_SILU, {"x": x, "w": w, "b": b})
+    check(LINEAR_SILU, (x, w), fn=lambda x, w: silu(ops.linear(x, w)))
+
+
+def _model(x, s, w1, b1, w2):
+    h = silu(ops.linear(x, w1, b1))  # joint: linear_silu
+    h = scale_by(h, s) + h  # forward: axpy
+    return ops.linear(scale_by(h, s), w2) + h  # backward: scaled_linear; forward: the default linear + add
+
+
+def test_default_and_user_rules_together():
+    args = [make((3, 4), F64), make((), F64), make((4, 4), F64), make((4,), F64), make((4, 4), F64)]
+    fused = functe.fuse(_model, rules=DEFAULT_RULES + MY_RULES)
+    plan = fused.plan(*args)
+    assert plan.stats["joint"].fired == {"linear_silu": 1}
+    assert plan.stats["forward"].fired == {"forward_linear_bias_add": 1, "axpy": 1}
+    assert plan.stats["backward"].fired == {"scaled_linear": 1}
+    assert "linear_silu a c d" in str(plan.forward) and "linear_silu a c d" in str(plan.backward)
+    assert plan.liveness.residuals[0].name == "linear_silu"  # the joint op keeps its own residuals
+    assert_matches_float64(fused, _model, args)
+    check_transforms(fused, _model, args, higher_order=False)
+    # nothing leaked into the defaults: a plain fuse does not know the user's rules
+    plain = functe.fuse(_model).plan(*args)
+    assert plain.stats["joint"].fired == {} and len(DEFAULT_RULES) == 5
+
+
+def test_check_catches_a_wrong_forward_fusion():
+    wrong = functe.custom_vjp("axpy_wrong", lambda s, x, r: (torch.addcmul(r, x, 2 * s), ((x, s), None)), _axpy_bwd)
+    rule = Rule("axpy_wrong", "forward", AXPY.pattern, lambda m: m.fuse(wrong, [m["s"], m["x"], m["r"]]))
+    with pytest.raises(AssertionError, match=r"rule axpy_wrong, output 0"):
+        check(rule, {"x": torch.empty(3, 4), "s": torch.empty(()), "r": torch.empty(3, 4)})
+
+
+def test_check_catches_a_wrong_backward_fusion():
+    def bad_bwd(res, dy):
+        dx, ds, dw = _scaled_linear_bwd(res, dy)
+        return dx, ds * 0, dw  # forgets the gradient of the scale
+
+    bad = functe.custom_vjp("scaled_linear_bad", _scaled_linear_fwd, bad_bwd)
+    rule = Rule("bad", "backward", SCALED_LINEAR.pattern, lambda m: m.fuse(bad, [m["x"], m["s"], m["w"]]))
+    with pytest.raises(AssertionError, match=r"rule bad, gradient of \['s'\] \(fused vs unfused float64\)"):
+        check(rule, {"x": torch.empty(3, 4), "s": torch.empty(()), "w": torch.empty(5, 4)})
+
+
+def test_check_reports_a_rule_that_does_not_fire():
+    with pytest.raises(AssertionError, match=r"rule axpy did not fire$"):
+        check(AXPY, (torch.empty(3),), fn=lambda x: x * 2.0)

@@ -1,0 +1,178 @@
+"""Tracing to an op list: op calls, arithmetic translations, opaque functions, constants and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fuse_helpers import oplist_text
+from helpers import check_transforms, make
+
+import functe
+from functe import _vjp, ops
+from functe.testing import assert_close
+
+
+def test_arithmetic_is_recorded_as_functe_ops():
+    def fn(x, y, b, w):
+        h = 2.0 * x + y  # constant_scale, add_extra_input
+        h = h * 0.5 - x / 4  # constant_scale, constant_scale, constant_scale(-1), add_extra_input
+        h = -h + b  # constant_scale(-1), bias (b is per-feature)
+        h = F.linear(h, w).reshape(2, -1).view(-1)
+        return h
+
+    x, y = torch.zeros(2, 3), torch.zeros(2, 3)
+    assert oplist_text(fn, x, y, torch.zeros(3), torch.zeros(4, 3)) == (
+        "{ lambda a:f32[2,3] b:f32[2,3] c:f32[3] d:f32[4,3]. let\n"
+        "    e:f32[2,3] = constant_scale[scale=2.0] a\n"
+        "    f:f32[2,3] = add_extra_input e b\n"
+        "    g:f32[2,3] = constant_scale[scale=0.5] f\n"
+        "    h:f32[2,3] = constant_scale[scale=0.25] a\n"
+        "    i:f32[2,3] = constant_scale[scale=-1.0] h\n"
+        "    j:f32[2,3] = add_extra_input g i\n"
+        "    k:f32[2,3] = constant_scale[scale=-1.0] j\n"
+        "    l:f32[2,3] = bias k c\n"
+        "    m:f32[2,4] = linear l d None\n"
+        "    n:f32[2,4] = reshape[shape=(2, -1)] m\n"
+        "    o:f32[8] = reshape[shape=(-1,)] n\n"
+        "  in (o,) }"
+    )
+
+
+def test_reflected_operands_keep_source_order():
+    text = oplist_text(lambda x, y: (y + x, 3 * x, torch.add(x, y, alpha=2)), torch.zeros(3), torch.zeros(3))
+    assert "c:f32[3] = add_extra_input b a" in text
+    assert "d:f32[3] = constant_scale[scale=3.0] a" in text
+    assert "e:f32[3] = constant_scale[scale=2.0] b\n    f:f32[3] = add_extra_input a e" in text
+
+
+def test_static_params_outputs_structure_and_passthrough():
+    def fn(x, scales, *, flip):
+        y = ops.constant_scale(x, scales[0] * (-1 if flip else 1))
+        return {"y": y, "x": x, "none": None}
+
+    oplist = functe.trace(fn)(torch.zeros(3), (2.5, 1.0), flip=True)
+    assert "constant_scale[scale=-2.5] a" in str(oplist)
+    assert str(oplist).endswith("in (None, a, b) }")  # dict keys sorted: none, x, y
+    assert sorted(oplist.static.values(), key=repr) == [1.0, 2.5, True]
+
+
+def test_captured_constants_become_literals_and_eager_values_fold():
+    const = torch.arange(3.0)
+
+    def fn(x):
+        folded = ops.constant_scale(const, 2.0)  # no traced input: computed now, a constant
+        return ops.add_extra_input(x, folded)
+
+    oplist = functe.trace(fn)(torch.zeros(3))
+    assert str(oplist).splitlines()[1] == "    b:f32[3] = add_extra_input a const:f32[3]"
+    assert torch.equal(oplist.eqns[0].inputs[1].value, 2.0 * const)
+
+
+def test_tracing_computes_nothing_and_leaves_no_hook_behind():
+    calls = []
+
+    def fwd(x):
+        calls.append(x.device.type)
+        return x * 2, None
+
+    op = functe.custom_vjp("probe", fwd, lambda _, g: (g * 2,))
+    functe.trace(lambda x: op(x))(torch.zeros(2))
+    assert calls == ["meta"]  # shape inference only
+    assert _vjp._recorder is None and not functe._trace.tracing()
+    assert op(torch.ones(2)).tolist() == [2.0, 2.0] and calls[-1] == "cpu"
+
+
+def test_trace_errors_name_the_call():
+    x = torch.zeros(2, 3)
+    with pytest.raises(functe.TraceError, match=r"torch\.tanh\(f32\[2,3\]\) on a traced value cannot be recorded"):
+        functe.trace(torch.tanh)(x)
+    with pytest.raises(functe.TraceError, match=r"Tensor\.sum\(f32\[2,3\]\).*functe\.opaque"):
+        functe.trace(lambda x: x.sum())(x)
+    with pytest.raises(functe.TraceError, match=r"f32\[2,3\] \+ float has no functe op"):
+        functe.trace(lambda x: x + 1.0)(x)
+    with pytest.raises(functe.TraceError, match=r"f32\[2,3\] \* f32\[2,3\] has no functe op"):
+        functe.trace(lambda x: x * x)(x)
+    with pytest.raises(functe.TraceError, match=r"Tensor\.__bool__"):
+        functe.trace(lambda x: bool(x))(x)
+    with pytest.raises(functe.TraceError, match=r"Tensor\.__getitem__"):
+        functe.trace(lambda x: x[0])(x)
+
+
+def test_public_op_validation_still_applies_while_tracing():
+    with pytest.raises(functe.ShapeError, match=r"'weight' expected f32\[\?,3\], got f32\[4,5\]"):
+        functe.trace(lambda x, w: ops.linear(x, w))(torch.zeros(2, 3), torch.zeros(4, 5))
+
+
+def test_captured_tensor_requiring_grad_is_refused():
+    w = torch.zeros(4, 3, requires_grad=True)
+    with pytest.raises(functe.TraceError, match=r"captured from the enclosing scope requires gradients"):
+        functe.trace(lambda x: ops.linear(x, w))(torch.zeros(2, 3))
+
+
+def test_escaped_tracer_is_refused():
+    kept = []
+    functe.trace(lambda x: kept.append(x) or x)(torch.zeros(2))
+    with pytest.raises(functe.TraceError, match="escaped its trace"):
+        ops.constant_scale(kept[0], 2.0)
+    with pytest.raises(functe.TraceError, match="from another"):
+        functe.trace(lambda y: ops.add_extra_input(y, kept[0]))(torch.zeros(2))
+
+
+def test_data_dependent_forward_rule_is_reported():
+    op = functe.custom_vjp("peek", lambda x: (x * float(x.sum()), None), lambda _, g: (g,))
+    with pytest.raises(functe.TraceError, match=r"cannot infer the output shapes of peek.*data-dependent"):
+        functe.trace(op)(torch.zeros(2))
+
+
+def _ln(x, g, b):
+    return F.layer_norm(x, (x.shape[-1],), g, b)
+
+
+def test_opaque_functions_are_one_equation_with_static_keywords():
+    gelu = functe.opaque(F.gelu)
+    assert functe.opaque(F.gelu) is gelu
+    text = oplist_text(lambda x: gelu(x, approximate="tanh") * 2.0, torch.zeros(3))
+    assert "b:f32[3] = opaque_gelu[approximate='tanh'] a" in text
+    ln = functe.opaque(_ln, name="layer_norm")
+    text = oplist_text(ln, torch.zeros(2, 5), torch.ones(5), torch.zeros(5))
+    assert "d:f32[2,5] = layer_norm a b c" in text
+
+
+def test_opaque_gradients_match_torch_under_every_transform():
+    ln = functe.opaque(_ln, name="layer_norm")
+    args = [make((3, 5), torch.float64), make((5,), torch.float64), make((5,), torch.float64)]
+    check_transforms(ln, _ln, args)
+    xs = [a.clone().requires_grad_() for a in args]
+    assert torch.autograd.gradcheck(ln, xs) and torch.autograd.gradgradcheck(ln, xs)
+
+
+def test_opaque_first_order_eager_backward_matches():
+    gelu = functe.opaque(F.gelu)
+    x = make((4, 6), torch.float32).requires_grad_()
+    (g,) = torch.autograd.grad(gelu(x, approximate="tanh").sum(), x)
+    (r,) = torch.autograd.grad(F.gelu(x, approximate="tanh").sum(), x)
+    assert_close(g, r)
+
+
+def test_tracers_look_like_tensors_to_validation_code():
+    seen = {}
+
+    def fn(x):
+        seen.update(
+            shape=x.shape, dtype=x.dtype, device=x.device, dim=x.dim(), numel=x.numel(), contiguous=x.is_contiguous()
+        )
+        return x.contiguous().to(torch.float32)
+
+    oplist = functe.trace(fn)(torch.zeros(2, 3))
+    assert seen == dict(shape=(2, 3), dtype=torch.float32, device=torch.device("cpu"), dim=2, numel=6, contiguous=True)
+    assert oplist.outputs == oplist.inputs  # contiguous() and a no-op to() record nothing
+    with pytest.raises(functe.TraceError, match=r"Tensor\.to"):
+        functe.trace(lambda x: x.to(torch.float16))(torch.zeros(2))
+
+
+def test_trace_on_a_device_that_is_not_present_records_it():
+    # Tracers carry the device as metadata only: a CUDA signature traces on a CPU-only machine.
+    x = torch.empty(2, 3, device="meta")
+    oplist = functe.trace(lambda x: x * 2.0)(functe._trace.shape_only(x.shape, x.dtype, torch.device("cuda", 0)))
+    assert oplist.eqns[0].outputs[0].device == torch.device("cuda", 0)
