@@ -135,7 +135,9 @@ def delayed_scaling_update(state: ScalingState, amax: Tensor, *, recipe: Delayed
     """
     history = _record(state.amax_history, amax)
     window = history.amax(-1) if recipe.amax_compute_algo == "max" else history[0]
-    scale = (recipe.max(role) / window) / float(2**recipe.margin)
+    # torch.full_like(...) / window, not fp8_max / window: a Python number divided by a tensor is
+    # computed as reciprocal(window) * fp8_max, one rounding too many for TE's exact formula.
+    scale = (torch.full_like(window, recipe.max(role)) / window) / float(2**recipe.margin)
     keep = (window == 0) | ~torch.isfinite(window)
     scale = torch.where(keep, state.scale, scale)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
@@ -154,7 +156,7 @@ def current_scale(amax: Tensor, *, recipe: CurrentScaling, role: str) -> Tensor:
         128.0
     """
     amax = torch.clamp_min(amax.to(torch.float32), recipe.amax_epsilon)
-    scale = recipe.max(role) / amax
+    scale = torch.full_like(amax, recipe.max(role)) / amax  # one rounding (see delayed_scaling_update)
     bad = (amax == 0) | ~torch.isfinite(amax)
     scale = torch.where(bad, torch.ones_like(scale), scale)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import FuncteError, StateError, check_tensor
+from ._errors import FuncteError, ShapeError, StateError, check_tensor, describe
 from ._fp8_state import current_scale, delayed_scaling_update
 from ._recipe import ROLES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from ._state import ScalingState, check_scaling_state
@@ -119,6 +119,11 @@ def quantize(
     qdtype = recipe.dtype(role)
     if isinstance(recipe, MXFP8BlockScaling):
         _no_state(state, recipe)
+        if x.dim() < 1:
+            raise ShapeError(
+                "functe.quantize: argument 'x' expected rank >= 1 for MXFP8 (blocks along the last dim), "
+                f"got {describe(x)}"
+            )
         data, e8m0 = MXFP8_CAST(x, qdtype, qdtype)
         return QuantizedTensor(data=data, scale_inv=None, block_scales=e8m0), None
     if isinstance(recipe, DelayedScaling):

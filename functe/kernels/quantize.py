@@ -207,9 +207,10 @@ def _storage(q: Tensor) -> Tensor:
 def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, write, dbias):
     """Run :func:`_quantize_kernel` over ``x`` (and ``dy``); return (q, dbias or None, amax)."""
     gated = mode == _MODE_ACT and (act == CLAMPED_SWIGLU or act in _act.GATED)
-    rows = as_rows(x)
-    n_rows, in_cols = rows.shape
+    in_cols = x.shape[-1] if x.dim() else 1
     n_cols = in_cols // 2 if gated else in_cols
+    rows = as_rows(x) if x.numel() else None
+    n_rows = rows.shape[0] if rows is not None else 0
     out_shape = (*x.shape[:-1], n_cols) if x.dim() else ()
     q = torch.empty(out_shape if write else (0,), dtype=out_dtype, device=x.device)
     db = None
@@ -272,9 +273,11 @@ def amax_ref(v: Tensor) -> Tensor:
     return torch.maximum(-lo, hi).to(torch.float32)
 
 
-def _plain(t: Tensor) -> bool:
-    """Whether ``t`` is a plain tensor (not a functorch wrapper): in-place chunked writes are safe."""
-    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+def _chunkable(*tensors: Tensor) -> bool:
+    """Whether the chunked in-place path is safe: eager, plain CPU tensors (no functorch wrapper)."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t.device.type == "cpu" and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 _CHUNK = 1 << 16
@@ -289,7 +292,7 @@ def cast_ref(v: Tensor, scale: Tensor, qdtype: torch.dtype, out_dtype: torch.dty
     """
     maxv = FP8_FORMATS[qdtype].max
     scale = scale.to(torch.float32)
-    if not (_plain(v) and _plain(scale)) or v.device.type != "cpu" or v.numel() <= _CHUNK or v.dim() == 0:
+    if v.numel() <= _CHUNK or v.dim() == 0 or not _chunkable(v, scale):
         q = torch.clamp(v.to(torch.float32) * scale, -maxv, maxv).to(qdtype)
         return q if out_dtype == qdtype else q.to(out_dtype)
     out = torch.empty(v.shape, dtype=out_dtype, device=v.device)
@@ -476,12 +479,13 @@ def mxfp8_cast(x: Tensor, qdtype: torch.dtype, out_dtype: torch.dtype) -> tuple[
     ``out_dtype``, ``q`` is the FP8 data; with a wider ``out_dtype`` it is the *dequantized*
     value ``q * scale_inv`` (exact: a power-of-two multiple of an FP8 value).
     """
-    rows = as_rows(x)
-    n_rows, n_cols = rows.shape
+    n_cols = x.shape[-1]
     n_blocks = triton.cdiv(n_cols, 32)
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     e = torch.empty((*x.shape[:-1], n_blocks), dtype=torch.uint8, device=x.device)
-    if rows.numel():
+    if x.numel():
+        rows = as_rows(x)
+        n_rows = rows.shape[0]
         fmt = FP8_FORMATS[qdtype]
         block_b = min(next_power_of_2(n_blocks), 4)
         block_r = max(1, min(next_power_of_2(n_rows), 2048 // (32 * block_b)))
