@@ -1,9 +1,10 @@
 """Quantized tensors and the recipe-level casts built on the quantizing kernels.
 
 :func:`quantize` and :func:`dequantize` are the public, non-differentiable conversions; the
-helpers below (``cast``, ``cast_dbias``) are what quantizing ops use inside their rules: they
-run delayed scaling in one pass (cast with the state's scale, amax of the same pass) and current
-scaling in two (amax, scale on the device, cast).
+helpers below (``cast``, ``cast_dbias``, ``cast_act``, ``cast_dact_dbias``) are what quantizing
+ops use inside their rules, one per fused kernel: they run delayed scaling in one pass (cast with
+the state's scale, amax of the same pass) and current scaling in two (amax, scale on the
+device, cast). MXFP8 has no fused variants yet.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from ._fp8_state import current_scale, delayed_scaling_update
 from ._recipe import ROLES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from ._state import ScalingState, check_scaling_state
 from ._tree import pytree_dataclass
-from .kernels.quantize import CAST_AMAX, DBIAS_CAST_AMAX, MXFP8_CAST, e8m0_to_float
+from .kernels.quantize import (
+    ACT_CAST_AMAX,
+    CAST_AMAX,
+    DACT_DBIAS_CAST_AMAX,
+    DBIAS_CAST_AMAX,
+    MXFP8_CAST,
+    e8m0_to_float,
+)
 
 Tensor = torch.Tensor
 
@@ -78,6 +86,46 @@ def cast_dbias(dy: Tensor, recipe: Recipe, role: str, scale: Tensor | None, out_
     _, dbias, amax = DBIAS_CAST_AMAX(dy, _ONE.to(dy.device), qdtype, out_dtype, False)
     scale = current_scale(amax, recipe=recipe, role=role)
     q, _ = CAST_AMAX(dy, scale, qdtype, out_dtype, True)
+    return q, dbias, scale, amax
+
+
+def cast_act(
+    x: Tensor,
+    act: str,
+    recipe: Recipe,
+    role: str,
+    scale: Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    offset: float = 1.0,
+):
+    """``act(x)`` quantized in the activation's own kernel (q-in): ``(q, scale used, amax)``.
+
+    ``act`` is any elementwise or gated activation of :mod:`functe.kernels._act`, or
+    ``"clamped_swiglu"`` (with ``limit``, ``alpha``, ``offset``). Current scaling runs the
+    kernel twice (amax, then cast), recomputing the activation instead of storing it.
+    """
+    qdtype, params = recipe.dtype(role), (limit, alpha, offset)
+    if isinstance(recipe, DelayedScaling):
+        q, amax = ACT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
+        return q, scale, amax
+    _, amax = ACT_CAST_AMAX(x, _ONE.to(x.device), act, *params, qdtype, out_dtype, False)
+    scale = current_scale(amax, recipe=recipe, role=role)
+    q, _ = ACT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
+    return q, scale, amax
+
+
+def cast_dact_dbias(dy: Tensor, x: Tensor, act: str, recipe: Recipe, role: str, scale, out_dtype: torch.dtype):
+    """``g = dy * act'(x)`` quantized with its bias gradient (TE's dbias_dgelu...): ``(q, dbias, scale, amax)``."""
+    qdtype = recipe.dtype(role)
+    if isinstance(recipe, DelayedScaling):
+        q, dbias, amax = DACT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
+        return q, dbias, scale, amax
+    _, dbias, amax = DACT_DBIAS_CAST_AMAX(dy, x, _ONE.to(dy.device), act, qdtype, out_dtype, False)
+    scale = current_scale(amax, recipe=recipe, role=role)
+    q, _, _ = DACT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
     return q, dbias, scale, amax
 
 

@@ -100,3 +100,16 @@ def test_fp8_demo_trains_and_scales_move(capsys):
     out = capsys.readouterr().out
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
     assert "step  150" in out and "fc2.grad_output" in out
+
+
+def test_fp8_design_note_example_runs():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "fp8.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    namespace: dict = {}
+    exec(compile(block, "docs/fp8.md", "exec"), namespace)
+    state = namespace["state"]
+    assert state["fc1"].input.amax_history[-1].item() == namespace["x"].abs().max().item()
+    assert state["fc2"].grad_output.scale.item() != 1.0

@@ -196,3 +196,24 @@ def test_twin_chunked_cast_matches_whole_tensor_cast():
     whole = torch.clamp(x.float() * scale, -448, 448).to(E4M3)
     assert _bits_equal(q, whole)
     assert torch.equal(qk.cast_ref(x, scale, E4M3, torch.bfloat16), whole.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "recipe", [functe.DelayedScaling(amax_history_len=2), functe.CurrentScaling()], ids=["delayed", "current"]
+)
+def test_recipe_level_fused_casts_equal_the_unfused_path(recipe, backend):
+    """cast_act / cast_dact_dbias (one or two kernel passes) vs activation twin + plain cast."""
+    from functe._quantize import cast, cast_act, cast_dact_dbias
+
+    x, dy = torch.randn(9, 26) * 2, torch.randn(9, 26)
+    scale = torch.tensor(50.0) if isinstance(recipe, functe.DelayedScaling) else None
+    q, s, amax = cast_act(x, "swiglu", recipe, "input", scale, E4M3)
+    v = _act.act_fwd_ref(x[:, :13], "silu") * x[:, 13:]
+    q_ref, s_ref, amax_ref = cast(v, recipe, "input", scale, E4M3)
+    assert_close(amax, amax_ref) and assert_close(s, s_ref)
+    assert_close(q.float(), q_ref.float(), dtype=E4M3)
+    q, dbias, s, amax = cast_dact_dbias(dy, x, "gelu", recipe, "grad_output", scale, E5M2)
+    g = dy * _act.act_grad_ref(x, "gelu")
+    q_ref, s_ref, amax_ref = cast(g, recipe, "grad_output", scale, E5M2)
+    assert_close(amax, amax_ref) and assert_close(s, s_ref) and assert_close(dbias, g.double().sum(0))
+    assert_close(q.float(), q_ref.float(), dtype=E5M2)

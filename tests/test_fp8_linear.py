@@ -180,6 +180,17 @@ def test_vmap_of_value_and_grad_keeps_one_state_per_member(backend):
     assert len({next_states["fc1"].input.amax_history[i, -1].item() for i in range(members)}) == members
 
 
+@pytest.mark.parametrize("name", ["current", "mxfp8_hybrid"])
+def test_vmap_grad_of_stateless_recipes_equals_per_member_grad(name, backend):
+    recipe = RECIPES[name]
+    w, x = make((3, 16, 32), scale=0.3), make((3, 5, 32)) * torch.tensor([1.0, 8.0, 0.1])[:, None, None]
+    f = lambda w, x: ops.fp8_linear(x, w, None, None, recipe=recipe).square().sum()
+    batched = torch.func.vmap(torch.func.grad(f, argnums=(0, 1)))(w, x)
+    for i in range(3):
+        for got, expected in zip(batched, torch.func.grad(f, argnums=(0, 1))(w[i], x[i])):
+            assert_close(got[i], expected)
+
+
 def test_torch_func_grad_of_state_is_its_next_value_and_unreached_states_are_kept():
     recipe = DelayedScaling(amax_history_len=4)
     g = torch.Generator().manual_seed(1)
