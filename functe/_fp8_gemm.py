@@ -3,10 +3,11 @@
 ``gemm_nt(a, sa, b, sb)`` computes ``(a @ b.T) * (sa * sb) (+ bias)`` for quantized operands
 ``a [M, K]`` and ``b [N, K]`` (TE's "TN" GEMM), accumulating in fp32:
 
-* **native** (CUDA, compute capability >= 8.9, every dim a positive multiple of 16, plain
-  tensors): ``torch._scaled_mm`` on the float8 data, ``a`` row-major and ``b`` column-major as
+* **native** (CUDA, compute capability >= 8.9, every dim a positive multiple of 16, no
+  ``vmap``): ``torch._scaled_mm`` on the float8 data, ``a`` row-major and ``b`` column-major as
   cuBLASLt requires. Written to TE's and torchao's layout rules but not run in functe's CI (no
-  GPU there): the emulation is what the tests check.
+  GPU there); the tests run this path on the CPU (where ``_scaled_mm`` accepts the same calls)
+  by patching :func:`_native_device`.
 * **emulated** (everything else): E4M3 and E5M2 values are exact in bf16, so the quantizing
   kernels write the FP8 grid values directly in the GEMM's compute dtype (no decode pass) and a
   plain GEMM with fp32 accumulation gives the FP8 GEMM's sum up to summation order. The compute
@@ -17,6 +18,8 @@
 from __future__ import annotations
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from ._backend import runs_triton
 
@@ -28,16 +31,29 @@ def compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
 
 
+def _native_device(device: torch.device) -> bool:
+    """A CUDA device with FP8 tensor cores, running functe's GPU path (tests patch this to use the CPU)."""
+    return device.type == "cuda" and runs_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _under_vmap(tensors) -> bool:
+    """Whether a ``torch.func.vmap`` is active: ``_scaled_mm`` has no batching rule.
+
+    ``grad`` wrappers alone are fine (the quantized operands need no derivative), so the check
+    looks for a vmap level rather than for any functorch wrapper.
+    """
+    if torch.compiler.is_compiling():
+        return False  # functe refuses compiled transforms (docs/design.md): no vmap here
+    if any(torch._C._functorch.is_batchedtensor(t) for t in tensors):
+        return True
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
 def native_ok(*tensors: Tensor, dims: tuple[int, ...]) -> bool:
     """Whether ``torch._scaled_mm`` can run this GEMM (see the module docstring)."""
-    device = tensors[0].device
-    if device.type != "cuda" or not runs_triton(device):
+    if not _native_device(tensors[0].device) or not all(d > 0 and d % 16 == 0 for d in dims):
         return False
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
-        return False  # vmap/grad wrappers: _scaled_mm has no batching rule; emulate
-    if not all(d > 0 and d % 16 == 0 for d in dims):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return not _under_vmap(tensors)
 
 
 def gemm_nt(

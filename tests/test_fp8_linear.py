@@ -303,3 +303,46 @@ def test_argument_errors():
         ops.fp8_linear(x, w, None, bad, recipe=delayed)
     with pytest.raises(functe.RecipeError, match=r"'recipe' expected one of DelayedScaling, CurrentScaling"):
         ops.fp8_linear(x, w, None, None, recipe="hybrid")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_native_scaled_mm_path_on_the_cpu_matches_the_emulation(name, dtype, monkeypatch):
+    """The GPU path (float8 operands, torch._scaled_mm) run on the CPU under torch.func, vs the emulation."""
+    from functe import _fp8_gemm
+
+    recipe = RECIPES[name]
+    state = functe.init_linear_scaling_state(recipe)
+    x, w, b = make((2, 16, 32), dtype, scale=3.0), make((48, 32), dtype, scale=0.2), make((48,), dtype)
+    dy = make((2, 16, 48), dtype)  # a fixed cotangent: both paths quantize the same dy
+    loss_fn = lambda p, s, x: (ops.fp8_linear(x, p["w"], p["b"], s, recipe=recipe) * dy).sum()
+    step = functe.value_and_grad(loss_fn)
+    emulated = step({"w": w, "b": b}, state, x)
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(_fp8_gemm, "_native_device", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    native = step({"w": w, "b": b}, state, x)
+    assert len(calls) == 3 and all(d in (torch.float8_e4m3fn, torch.float8_e5m2) for d in calls)
+    tol = torch.float16 if dtype == torch.float32 else dtype  # summation order (and bf16 double rounding)
+    assert_close(native[0], emulated[0], dtype=tol)
+    for k in ("w", "b"):
+        assert_close(native[1][k], emulated[1][k], dtype=tol, msg=k)
+    if state is not None:
+        for a, e in zip(functe.tree_leaves(native[2]), functe.tree_leaves(emulated[2])):
+            assert torch.equal(a, e)
+
+
+def test_native_path_is_not_taken_under_vmap(monkeypatch):
+    from functe import _fp8_gemm
+
+    recipe = functe.CurrentScaling()
+    monkeypatch.setattr(_fp8_gemm, "_native_device", lambda device: True)
+    real, calls = torch._scaled_mm, []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w, x = make((2, 16, 32)), make((2, 16, 32))
+    f = lambda w, x: ops.fp8_linear(x, w, None, None, recipe=recipe).square().sum()
+    batched = torch.func.vmap(torch.func.grad(f))(w, x)
+    assert not calls  # _scaled_mm has no batching rule: the emulation runs
+    assert_close(batched[1], torch.func.grad(f)(w[1], x[1]), dtype=torch.float16)
+    assert len(calls) == 3  # outside vmap (grad only) the native path runs

@@ -68,7 +68,9 @@ def _bwd(res, dy, *, recipe):
         return _mx_bwd(res, dy, recipe)
     xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype = res
     dy2 = dy.reshape(-1, dy.shape[-1])
-    native = native and native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1]))
+    if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1])):
+        native = False  # (not expected: same device and dims) decode the saved FP8 operands for the emulation
+        xq, wq = xq.to(compute_dtype(dtype)), wq.to(compute_dtype(dtype))
     store = _store(recipe, "grad_output", dy, native)
     go_state = next_states[2] if next_states is not None else None
     go_scale = go_state.scale if go_state is not None else None
