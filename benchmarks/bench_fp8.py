@@ -18,6 +18,7 @@ GPU (only when CUDA is available; never run in CI): cast + amax bandwidth agains
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -31,20 +32,34 @@ from functe.kernels import quantize as qk
 BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def _interleaved(impls: dict, rounds: int, warmup: int = 1) -> dict[str, float]:
+def _interleaved(impls: dict, rounds: int, warmup: int = 1, *, cpu_time: bool = False) -> dict[str, float]:
     """Best time of each implementation over ``rounds`` interleaved rounds (A B C A B C ...).
 
     The CI machine's 2 cores are shared with other jobs: interleaving exposes every
     implementation to the same load, and the minimum is the least disturbed sample.
+    ``cpu_time``: single-threaded, timed by this thread's CPU time (``time.thread_time``),
+    which other processes cannot inflate; the ratios are then the work ratios.
     """
-    for fn in impls.values():
-        for _ in range(warmup):
-            fn()
-    best = dict.fromkeys(impls, float("inf"))
-    for _ in range(rounds):
-        for name, fn in impls.items():
-            best[name] = min(best[name], bench(fn, warmup=0, reps=1))
-    return best
+    threads = torch.get_num_threads()
+    if cpu_time:
+        torch.set_num_threads(1)
+    try:
+        for fn in impls.values():
+            for _ in range(warmup):
+                fn()
+        best = dict.fromkeys(impls, float("inf"))
+        for _ in range(rounds):
+            for name, fn in impls.items():
+                if cpu_time:
+                    start = time.thread_time()
+                    fn()
+                    sample = time.thread_time() - start
+                else:
+                    sample = bench(fn, warmup=0, reps=1)
+                best[name] = min(best[name], sample)
+        return best
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _linear_inputs(n: int, device: str):
@@ -56,7 +71,7 @@ def _linear_inputs(n: int, device: str):
     return x, w, b, dy
 
 
-def bench_linear(n: int, device: str, reps: int) -> str:
+def bench_linear(n: int, device: str, reps: int, *, cpu_time: bool = False) -> str:
     x, w, b, dy = _linear_inputs(n, device)
 
     def fwd_bwd(fn):
@@ -72,8 +87,11 @@ def bench_linear(n: int, device: str, reps: int) -> str:
         "fp8 delayed": fwd_bwd(lambda x, w, b: ops.fp8_linear(x, w, b, state, recipe=delayed)),
         "fp8 current": fwd_bwd(lambda x, w, b: ops.fp8_linear(x, w, b, None, recipe=current)),
     }
-    times = _interleaved(impls, reps)
-    return table(f"Linear fwd+bwd, bf16, M=N=K={n} ({device})", [(f"{n}^3", times)], baseline="bf16 eager")
+    if cpu_time:
+        del impls["bf16 compile"]  # compiled code may use its own threads
+    times = _interleaved(impls, reps, cpu_time=cpu_time)
+    how = "1 thread, CPU time" if cpu_time else "wall time"
+    return table(f"Linear fwd+bwd, bf16, M=N=K={n} ({device}, {how})", [(f"{n}^3", times)], baseline="bf16 eager")
 
 
 def bench_gemm_emulation(n: int, reps: int) -> str:
@@ -148,6 +166,8 @@ def main() -> None:
     print("(best of 5 interleaved rounds per case)")
     print()
     print(bench_linear(n, "cpu", reps))
+    print()
+    print(bench_linear(n, "cpu", 3, cpu_time=True))
     print()
     print(bench_gemm_emulation(n // 2, reps))
     print()

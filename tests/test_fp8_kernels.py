@@ -190,7 +190,8 @@ def test_dact_dbias_cast_amax_vs_unfused(act):
 
 def test_twin_chunked_cast_matches_whole_tensor_cast():
     # Large CPU tensors take the cache-friendly chunked path; it must give the same bits.
-    x = torch.randn(300, 512, dtype=torch.bfloat16) * 100
+    x = torch.randn(1100, 512, dtype=torch.bfloat16) * 100  # > _CHUNK: three chunks, the last partial
+    assert x.numel() > qk._CHUNK
     scale = torch.tensor(1.3)
     q = qk.cast_ref(x, scale, E4M3, E4M3)
     whole = torch.clamp(x.float() * scale, -448, 448).to(E4M3)
