@@ -72,7 +72,15 @@ def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
 
 
 def save_tree(path: str | os.PathLike, tree: Any) -> None:
-    """Save ``tree``'s tensors: safetensors for a ``.safetensors`` path, ``torch.save`` otherwise."""
+    """Save ``tree``'s tensors: safetensors for a ``.safetensors`` path, ``torch.save`` otherwise.
+
+    Example:
+        >>> import tempfile, os, torch, functe
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     functe.save_tree(os.path.join(d, "params.pt"), {"w": torch.ones(2)})
+        ...     sorted(torch.load(os.path.join(d, "params.pt"), weights_only=True))
+        ['w']
+    """
     flat = {k: v.detach().contiguous() for k, v in tree_to_dict(tree).items()}
     if str(path).endswith(".safetensors"):
         from safetensors.torch import save_file
