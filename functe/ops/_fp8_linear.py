@@ -39,12 +39,9 @@ def _fwd(x, weight, bias, state, *, recipe):
     x2 = x.reshape(-1, x.shape[-1])
     native = native_ok(x2, weight, dims=(x2.shape[0], weight.shape[0], x2.shape[1]))
     delayed = isinstance(recipe, DelayedScaling)
-    xq, sx, amax_x = cast(
-        x2, recipe, "input", state.input.scale if delayed else None, _store(recipe, "input", x, native)
-    )
-    wq, sw, amax_w = cast(
-        weight, recipe, "weight", state.weight.scale if delayed else None, _store(recipe, "weight", x, native)
-    )
+    scale_x, scale_w = (state.input.scale, state.weight.scale) if delayed else (None, None)
+    xq, sx, amax_x = cast(x2, recipe, "input", scale_x, _store(recipe, "input", x, native))
+    wq, sw, amax_w = cast(weight, recipe, "weight", scale_w, _store(recipe, "weight", x, native))
     sinv_x, sinv_w = torch.reciprocal(sx), torch.reciprocal(sw)
     y = gemm_nt(xq, sinv_x, wq, sinv_w, out_dtype=x.dtype, bias=bias, native=native, fast_accum=True)
     next_states = None
