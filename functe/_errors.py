@@ -126,3 +126,7 @@ def check_same_device(op: str, tensors: dict[str, Any]) -> None:
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"'{n}' on {d}" for n, d in devices.items())
         raise DeviceError(f"functe.{op}: arguments must share one device, got {listing}")
+
+
+class RecipeError(FuncteError, ValueError):
+    """A quantization recipe is misconfigured (an unsupported format, a bad history length...)."""

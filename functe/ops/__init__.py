@@ -12,11 +12,13 @@ from ._core import identity as identity
 from ._core import linear as linear
 from ._core import make_extra_output as make_extra_output
 from ._core import reshape as reshape
+from ._fp8_linear import fp8_linear as fp8_linear
 
 __all__ = [
     "add_extra_input",
     "bias",
     "constant_scale",
+    "fp8_linear",
     "identity",
     "linear",
     "make_extra_output",

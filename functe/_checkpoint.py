@@ -1,0 +1,111 @@
+"""Checkpoints of pytrees (parameters, optimizer and FP8 states): exact, by flattened key paths.
+
+A pytree becomes a flat ``{"fc1.input.scale": tensor, ...}`` dict (:func:`tree_to_dict`), which
+both ``torch.save`` and safetensors store bit for bit; :func:`tree_from_dict` puts the tensors back
+into the structure of a template tree (``like``), checking names, shapes and dtypes. Nothing is
+pickled but tensors, so loading needs no unsafe unpickling (TE's extra state does).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import optree
+import torch
+
+from ._errors import StateError, describe
+from ._tree import NAMESPACE
+
+
+def _key(path: tuple) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def tree_to_dict(tree: Any) -> dict[str, torch.Tensor]:
+    """The tensor leaves of ``tree`` by dotted key path (``None`` leaves are left out).
+
+    Example:
+        >>> import torch, functe
+        >>> sorted(functe.tree_to_dict({"fc1": functe.init_scaling_state(2), "step": torch.zeros(())}))
+        ['fc1.amax_history', 'fc1.scale', 'step']
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True, namespace=NAMESPACE)
+    out = {}
+    for path, leaf in zip(paths, leaves):
+        if leaf is None:
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise StateError(f"functe.tree_to_dict: leaf {_key(path)!r} is {describe(leaf)}, not a tensor")
+        out[_key(path)] = leaf
+    return out
+
+
+def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
+    """Rebuild a tree shaped like ``like`` from :func:`tree_to_dict`'s output, checking each tensor.
+
+    Example:
+        >>> import functe
+        >>> s = functe.init_scaling_state(2)
+        >>> functe.tree_from_dict(s, functe.tree_to_dict(s)).scale.item()
+        1.0
+    """
+    paths, leaves, spec = optree.tree_flatten_with_path(like, none_is_leaf=True, namespace=NAMESPACE)
+    wanted = {_key(p) for p, leaf in zip(paths, leaves) if leaf is not None}
+    if missing := sorted(wanted - set(flat)):
+        raise StateError(f"functe.tree_from_dict: missing {missing}")
+    if extra := sorted(set(flat) - wanted):
+        raise StateError(f"functe.tree_from_dict: unexpected {extra}")
+    out = []
+    for path, leaf in zip(paths, leaves):
+        if leaf is None:
+            out.append(None)
+            continue
+        value = flat[_key(path)]
+        if value.shape != leaf.shape or value.dtype != leaf.dtype:
+            raise StateError(
+                f"functe.tree_from_dict: {_key(path)!r} expected {describe(leaf)} (as in the template), "
+                f"got {describe(value)}"
+            )
+        out.append(value.to(leaf.device))
+    return optree.tree_unflatten(spec, out)
+
+
+def save_tree(path: str | os.PathLike, tree: Any) -> None:
+    """Save ``tree``'s tensors: safetensors for a ``.safetensors`` path, ``torch.save`` otherwise.
+
+    Example:
+        >>> import tempfile, os, torch, functe
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     functe.save_tree(os.path.join(d, "params.pt"), {"w": torch.ones(2)})
+        ...     sorted(torch.load(os.path.join(d, "params.pt"), weights_only=True))
+        ['w']
+    """
+    flat = {k: v.detach().contiguous() for k, v in tree_to_dict(tree).items()}
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file({k: v.clone() for k, v in flat.items()}, str(path))  # no shared storage allowed
+    else:
+        torch.save(flat, path)
+
+
+def load_tree(path: str | os.PathLike, like: Any) -> Any:
+    """Load what :func:`save_tree` wrote into the structure of ``like`` (exactly, bit for bit).
+
+    Example:
+        >>> import tempfile, os, torch, functe
+        >>> state = functe.init_scaling_state(4)
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     functe.save_tree(os.path.join(d, "s.safetensors"), state)
+        ...     back = functe.load_tree(os.path.join(d, "s.safetensors"), state)
+        >>> torch.equal(back.amax_history, state.amax_history)
+        True
+    """
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        flat = load_file(str(path))
+    else:
+        flat = torch.load(path, weights_only=True)
+    return tree_from_dict(like, flat)

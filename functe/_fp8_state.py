@@ -1,0 +1,331 @@
+"""FP8 scaling state: per-role states, TE's scale updates as tensor ops, and state cotangents.
+
+**Updates.** :func:`delayed_scaling_update` is TransformerEngine's delayed-scaling update
+(``_amax_and_scale_update``) written with tensor ops only: no host synchronisation and no Python
+branch on a tensor value, so it runs inside ``vmap``, ``torch.compile`` and CUDA graphs.
+:func:`current_scale` is TE's ``compute_scale_from_amax`` for current scaling.
+
+**State through the gradient** (flax's and TE-JAX's "overwrite with gradient"). An op that
+owns scaling states returns their *next values* from its backward rule as the cotangents of the
+state argument, so ``torch.func.grad`` hands them back with the parameter gradients. Three traps
+(``../shared/reference/jax_and_torch_func.md`` B6) are closed by one encoding: after an update,
+``amax_history[0]`` is always 0 (the slot cleared for the next amax), so a cotangent carries a
+*use count* there, 1 per use.
+
+* A state the graph never reached gets a zero cotangent: count 0, the old state is kept (so a
+  state whose op did not run is not rolled, as TE PR #825 requires).
+* A state used twice gets the sum of two cotangents: count 2, which is meaningless as a value and
+  is rejected (:func:`state_from_gradient`); :func:`share_state` is the explicit fan-out whose
+  backward combines the uses by max, as flax's ``fp32_max_grad`` does.
+* The state must reach the op unchanged: any op in between applies the chain rule to the
+  cotangent (a scaled count is rejected too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from ._errors import StateError, describe
+from ._recipe import CurrentScaling, DelayedScaling, Recipe
+from ._state import ScalingState, check_scaling_state, init_scaling_state
+from ._tree import NAMESPACE, pytree_dataclass, tree_unflatten
+from ._vjp import custom_vjp
+
+Tensor = torch.Tensor
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+@pytree_dataclass
+class LinearScalingState:
+    """The scaling states of a quantized linear: one :class:`ScalingState` per tensor role.
+
+    Fields:
+        input: state of ``x`` (E4M3 under HYBRID).
+        weight: state of the weight (E4M3 under HYBRID).
+        grad_output: state of ``dy`` (E5M2 under HYBRID), updated in the backward pass.
+
+    Example:
+        >>> import functe
+        >>> s = functe.init_linear_scaling_state(functe.DelayedScaling(amax_history_len=4))
+        >>> s.grad_output.amax_history.tolist()
+        [0.0, 0.0, 0.0, 0.0]
+    """
+
+    input: ScalingState
+    weight: ScalingState
+    grad_output: ScalingState
+
+
+def init_linear_scaling_state(recipe: Recipe, *, device: torch.device | str | None = None) -> LinearScalingState | None:
+    """Fresh states of a quantized linear under ``recipe``; ``None`` for stateless recipes.
+
+    Delayed scaling starts every role at scale 1 with an all-zero history of the recipe's
+    ``amax_history_len`` (as TE does). Current scaling and MXFP8 keep no state.
+
+    Example:
+        >>> import functe
+        >>> functe.init_linear_scaling_state(functe.CurrentScaling()) is None
+        True
+    """
+    if not isinstance(recipe, DelayedScaling):
+        return None
+    make = lambda: init_scaling_state(recipe.amax_history_len, device=device)
+    return LinearScalingState(input=make(), weight=make(), grad_output=make())
+
+
+def check_linear_state(op: str, state: object, recipe: Recipe) -> LinearScalingState | None:
+    """Validate the state argument of a quantized linear against its recipe (metadata only)."""
+    if not isinstance(recipe, DelayedScaling):
+        if state is not None:
+            raise StateError(
+                f"functe.{op}: argument 'state' expected None ({type(recipe).__name__} is stateless), "
+                f"got {type(state).__name__}"
+            )
+        return None
+    if not isinstance(state, LinearScalingState):
+        raise StateError(
+            f"functe.{op}: argument 'state' expected a LinearScalingState (functe.init_linear_scaling_state(recipe)), "
+            f"got {type(state).__name__}"
+        )
+    for role in ("input", "weight", "grad_output"):
+        s = check_scaling_state(op, f"state.{role}", getattr(state, role))
+        if s.amax_history.shape[-1] != recipe.amax_history_len:
+            raise StateError(
+                f"functe.{op}: argument 'state.{role}.amax_history' expected f32[{recipe.amax_history_len}] "
+                f"(the recipe's amax_history_len), got {describe(s.amax_history)}"
+            )
+    return state
+
+
+# ----------------------------------------------------------------------------- scale updates
+
+
+def _record(history: Tensor, amax: Tensor) -> Tensor:
+    """The history with ``amax`` written into slot 0 (what TE's cast does through its pointer)."""
+    return torch.cat([amax.reshape(1).to(torch.float32), history[1:]])
+
+
+def _roll_and_clear(history: Tensor) -> Tensor:
+    """``torch.roll(h, -1)`` then ``h[0] = 0``: the newest amax moves to the end, slot 0 is free."""
+    if history.shape[-1] == 1:
+        return torch.zeros_like(history)
+    return torch.cat([history.new_zeros(1), history[2:], history[:1]])
+
+
+def delayed_scaling_update(state: ScalingState, amax: Tensor, *, recipe: DelayedScaling, role: str) -> ScalingState:
+    """Record ``amax`` (of a tensor just cast with ``state.scale``) and update the state, exactly as TE.
+
+    1. ``history[0] = amax``; the window amax is ``max(history)`` (``"max"``) or ``history[0]``
+       (``"most_recent"``);
+    2. the history rolls by -1 and slot 0 is cleared;
+    3. ``scale = (fp8_max / amax) / 2**margin``, keeping the old scale when the amax is 0, inf or
+       NaN, and FLT_MAX instead of an infinite scale.
+
+    Example:
+        >>> import torch, functe
+        >>> recipe = functe.DelayedScaling(margin=2, amax_history_len=4)
+        >>> s = functe.init_scaling_state(4)
+        >>> s = functe.delayed_scaling_update(s, torch.tensor(7.0), recipe=recipe, role="input")
+        >>> s.scale.item(), s.amax_history.tolist()  # (448 / 7) / 4
+        (16.0, [0.0, 0.0, 0.0, 7.0])
+    """
+    history = _record(state.amax_history, amax)
+    window = history.amax(-1) if recipe.amax_compute_algo == "max" else history[0]
+    # torch.full_like(...) / window, not fp8_max / window: a Python number divided by a tensor is
+    # computed as reciprocal(window) * fp8_max, one rounding too many for TE's exact formula.
+    scale = (torch.full_like(window, recipe.max(role)) / window) / float(2**recipe.margin)
+    keep = (window == 0) | ~torch.isfinite(window)
+    scale = torch.where(keep, state.scale, scale)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    return ScalingState(scale=scale, amax_history=_roll_and_clear(history))
+
+
+def current_scale(amax: Tensor, *, recipe: CurrentScaling, role: str) -> Tensor:
+    """TE's current-scaling scale from a tensor's amax (f32[], computed on the device).
+
+    ``fp8_max / max(amax, amax_epsilon)``; 1 when that amax is 0, inf or NaN; FLT_MAX instead of
+    inf; with ``power_2_scales`` the scale is rounded down to a power of two.
+
+    Example:
+        >>> import torch, functe
+        >>> current_scale(torch.tensor(3.0), recipe=functe.CurrentScaling(power_2_scales=True), role="input").item()
+        128.0
+    """
+    amax = torch.clamp_min(amax.to(torch.float32), recipe.amax_epsilon)
+    scale = torch.full_like(amax, recipe.max(role)) / amax  # one rounding (see delayed_scaling_update)
+    bad = (amax == 0) | ~torch.isfinite(amax)
+    scale = torch.where(bad, torch.ones_like(scale), scale)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    if recipe.power_2_scales:
+        scale = (scale.view(torch.int32) & -(1 << 23)).view(torch.float32)  # clear the mantissa
+    return scale
+
+
+# ----------------------------------------------------------------------------- cotangent protocol
+
+
+def as_cotangent(new: ScalingState, uses: Tensor | float = 1.0) -> ScalingState:
+    """The cotangent that carries ``new`` back to the caller: its history with the use count in slot 0."""
+    history = new.amax_history
+    count = torch.as_tensor(uses, dtype=torch.float32, device=history.device).reshape(1)
+    return ScalingState(scale=new.scale, amax_history=torch.cat([count, history[1:]]))
+
+
+def _next_state(old: ScalingState, ct: ScalingState | None) -> tuple[ScalingState, Tensor | None]:
+    """(next state, use count) from one state and its cotangent, without host synchronisation."""
+    if ct is None or ct.amax_history is None or ct.scale is None:
+        return old, None
+    uses = ct.amax_history[..., 0]
+    history = torch.cat([torch.zeros_like(ct.amax_history[..., :1]), ct.amax_history[..., 1:]], -1)
+    keep, take = uses == 0, uses == 1
+    nan = torch.full_like(ct.scale, float("nan"))
+    # A count other than 0 or 1 poisons the state with NaN (loud at the next step) when the check is off.
+    scale = torch.where(keep, old.scale, torch.where(take, ct.scale, nan))
+    keep_h, take_h = keep[..., None], take[..., None]
+    history = torch.where(
+        keep_h, old.amax_history, torch.where(take_h, history, torch.full_like(history, float("nan")))
+    )
+    return ScalingState(scale=scale, amax_history=history), uses
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, ScalingState)
+
+
+def flatten_states(tree: Any):
+    """Flatten a pytree down to its :class:`ScalingState` s (and other leaves); ``None`` is a leaf."""
+    return optree.tree_flatten(tree, is_leaf=_is_state, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
+    """The next value of a state pytree from its "gradient" (the cotangents returned by the ops).
+
+    For each :class:`ScalingState` in ``state``: a use count of 0 (the graph never reached it)
+    keeps the old state, 1 takes the new value. A count other than 0 or 1 means the state was used
+    twice (the cotangents were summed) or passed through an op before reaching its op (the chain
+    rule scaled it): ``check=True`` raises :class:`functe.StateError` naming the state (one host
+    synchronisation per call, skipped inside ``torch.func`` transforms); without the check the
+    state becomes NaN, which the next step makes visible.
+
+    Example:
+        >>> import torch, functe
+        >>> old = functe.init_scaling_state(2)
+        >>> untouched = functe.ScalingState(torch.zeros(()), torch.zeros(2))  # what grad gives
+        >>> functe.state_from_gradient({"fc1": old}, {"fc1": untouched})["fc1"].scale.item()
+        1.0
+    """
+    old_leaves, spec = flatten_states(state)
+    grad_leaves = _match(spec, grad)
+    new_leaves, counts, names = [], [], []
+    for path, old, ct in zip(spec.paths(), old_leaves, grad_leaves):
+        if isinstance(old, torch.Tensor):
+            raise StateError(
+                f"functe.state_from_gradient: the state pytree holds a tensor outside a ScalingState at {_keystr(path)}"
+            )
+        if not _is_state(old):
+            new_leaves.append(old)
+            continue
+        new, uses = _next_state(old, ct)
+        new_leaves.append(new)
+        if uses is not None:
+            counts.append(uses.reshape(-1))
+            names.append(_keystr(path))
+    if check and counts and not any(torch._C._functorch.is_functorch_wrapped_tensor(c) for c in counts):
+        _check_counts(counts, names)
+    return tree_unflatten(spec, new_leaves)
+
+
+def _match(spec, grad: Any) -> list:
+    leaves, grad_spec = flatten_states(grad)
+    if grad_spec.num_leaves != spec.num_leaves:
+        raise StateError(f"functe.state_from_gradient: the gradient's structure {grad_spec} does not match {spec}")
+    return leaves
+
+
+def _keystr(path: tuple) -> str:
+    return "state" + "".join(f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]" for k in path)
+
+
+def _check_counts(counts: list[Tensor], names: list[str]) -> None:
+    flat = torch.cat(counts)
+    bad = ((flat != 0) & (flat != 1)).tolist()  # the one host synchronisation
+    if any(bad):
+        sizes = [c.numel() for c in counts]
+        owners = [n for n, k in zip(names, sizes) for _ in range(k)]
+        culprits = sorted({owners[i] for i, b in enumerate(bad) if b})
+        raise StateError(
+            f"functe.state_from_gradient: the scaling state at {', '.join(culprits)} was used more than once in one "
+            "step (its cotangents were summed), or reached its op through another op. Give each quantized op its "
+            "own state, or fan one state out explicitly with functe.share_state(state, n, recipe=...), "
+            "which combines the uses by max."
+        )
+
+
+# ----------------------------------------------------------------------------- explicit fan-out
+
+
+_ROLES = ("input", "weight", "grad_output")
+
+
+def _combine(old: ScalingState, cts: list[ScalingState | None], recipe: DelayedScaling, role: str) -> ScalingState:
+    """One cotangent for a state used by several copies: the update with the max of their amaxes."""
+    used = [ct for ct in cts if ct is not None and ct.amax_history is not None]
+    if not used:
+        return as_cotangent(old, 0.0)
+    counts = torch.stack([ct.amax_history[..., 0] for ct in used])
+    # Each used copy's history ends with the amax it recorded (slot -1 after the roll).
+    amaxes = torch.stack([ct.amax_history[..., -1] for ct in used])
+    amaxes = torch.where(counts > 0, amaxes, torch.zeros_like(amaxes))
+    new = delayed_scaling_update(old, amaxes.amax(0), recipe=recipe, role=role)
+    top = counts.amax(0)
+    uses = torch.where(top > 1, top, (top > 0).to(torch.float32))
+    combined = as_cotangent(new, 0.0)
+    history = torch.cat([uses.reshape(1), combined.amax_history[1:]])
+    return ScalingState(scale=combined.scale, amax_history=history)
+
+
+def _share_fwd(state, *, n, recipe):
+    return tuple(state for _ in range(n)), state
+
+
+def _share_bwd(state, cts, *, n, recipe):
+    roles = {
+        role: _combine(getattr(state, role), [None if ct is None else getattr(ct, role) for ct in cts], recipe, role)
+        for role in _ROLES
+    }
+    return (LinearScalingState(**roles),)
+
+
+_share_state = custom_vjp("share_state", _share_fwd, _share_bwd, symbolic_zeros=True)
+
+
+def share_state(state: LinearScalingState, n: int, *, recipe: DelayedScaling) -> tuple[LinearScalingState, ...]:
+    """``n`` copies of one quantized linear's state, for ``n`` uses of it in one step.
+
+    The next state is what one use would give with the *largest* amax of all uses (flax's
+    ``fp32_max_grad``; TE's max-reduction of amaxes): the histories combine by max and the scale is
+    recomputed from them. Uses whose op did not run are ignored; if none ran, the state is kept.
+    Needs ``amax_history_len >= 2`` (the recorded amax travels in the history's last slot).
+
+    Example:
+        >>> import torch, functe
+        >>> recipe = functe.DelayedScaling(amax_history_len=4)
+        >>> a, b = functe.share_state(functe.init_linear_scaling_state(recipe), 2, recipe=recipe)
+        >>> torch.equal(a.input.scale, b.input.scale)
+        True
+    """
+    if not isinstance(recipe, DelayedScaling):
+        raise StateError(f"functe.share_state: only DelayedScaling keeps state, got recipe {recipe!r}")
+    check_linear_state("share_state", state, recipe)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise StateError(f"functe.share_state: n must be an int >= 1, got {n!r}")
+    if recipe.amax_history_len < 2:
+        raise StateError(
+            "functe.share_state: needs amax_history_len >= 2 (the recorded amax of each use travels in the "
+            f"history), got {recipe.amax_history_len}"
+        )
+    return _share_state(state, n=n, recipe=recipe)

@@ -1,0 +1,218 @@
+"""Quantized tensors and the recipe-level casts built on the quantizing kernels.
+
+:func:`quantize` and :func:`dequantize` are the public, non-differentiable conversions; the
+helpers below (``cast``, ``cast_dbias``, ``cast_act``, ``cast_dact_dbias``) are what quantizing
+ops use inside their rules, one per fused kernel: they run delayed scaling in one pass (cast with
+the state's scale, amax of the same pass) and current scaling in two (amax, scale on the
+device, cast). MXFP8 has no fused variants yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._errors import FuncteError, ShapeError, StateError, check_tensor, describe
+from ._fp8_state import current_scale, delayed_scaling_update
+from ._recipe import ROLES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
+from ._state import ScalingState, check_scaling_state
+from ._tree import pytree_dataclass
+from .kernels.quantize import (
+    ACT_CAST_AMAX,
+    CAST_AMAX,
+    DACT_DBIAS_CAST_AMAX,
+    DBIAS_CAST_AMAX,
+    MXFP8_CAST,
+    e8m0_to_float,
+)
+
+Tensor = torch.Tensor
+
+QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@pytree_dataclass
+class QuantizedTensor:
+    """An FP8 tensor and what dequantizes it.
+
+    Fields:
+        data: the float8 values (``float8_e4m3fn`` or ``float8_e5m2``), shape of the original.
+        scale_inv: ``f32[]``, ``1 / scale`` of a per-tensor recipe (``None`` for MXFP8):
+            ``dequantize = data * scale_inv``.
+        block_scales: MXFP8 only (else ``None``): ``u8[..., ceil(K/32)]`` E8M0 biased exponents,
+            one per 32 elements of the last dim, ``scale_inv = 2**(e - 127)`` (255 = NaN); view
+            them as ``torch.float8_e8m0fnu`` for APIs that take that dtype.
+
+    Example:
+        >>> import torch, functe
+        >>> q, _ = functe.quantize(torch.tensor([1.0, -3.5]), functe.CurrentScaling())
+        >>> q.data.dtype, q.scale_inv.item()  # amax / 448
+        (torch.float8_e4m3fn, 0.0078125)
+    """
+
+    data: Tensor
+    scale_inv: Tensor | None
+    block_scales: Tensor | None
+
+
+# ----------------------------------------------------------------------------- casts used by ops
+
+
+def cast(x: Tensor, recipe: Recipe, role: str, scale: Tensor | None, out_dtype: torch.dtype):
+    """Per-tensor cast of ``x`` for ``role``: ``(q, scale used, amax)``.
+
+    Delayed scaling casts with ``scale`` (the state's) and measures the amax in the same pass;
+    current scaling measures the amax first and derives the scale from it on the device.
+    """
+    qdtype = recipe.dtype(role)
+    if isinstance(recipe, DelayedScaling):
+        q, amax = CAST_AMAX(x, scale, qdtype, out_dtype, True)
+        return q, scale, amax
+    _, amax = CAST_AMAX(x, _ONE.to(x.device), qdtype, out_dtype, False)
+    scale = current_scale(amax, recipe=recipe, role=role)
+    q, _ = CAST_AMAX(x, scale, qdtype, out_dtype, True)
+    return q, scale, amax
+
+
+def cast_dbias(dy: Tensor, recipe: Recipe, role: str, scale: Tensor | None, out_dtype: torch.dtype):
+    """Cast plus the bias gradient (TE's bgrad_quantize): ``(q, dbias, scale used, amax)``.
+
+    Under current scaling the first pass computes the amax *and* dbias (TE PR #2007), the second
+    only casts.
+    """
+    qdtype = recipe.dtype(role)
+    if isinstance(recipe, DelayedScaling):
+        q, dbias, amax = DBIAS_CAST_AMAX(dy, scale, qdtype, out_dtype, True)
+        return q, dbias, scale, amax
+    _, dbias, amax = DBIAS_CAST_AMAX(dy, _ONE.to(dy.device), qdtype, out_dtype, False)
+    scale = current_scale(amax, recipe=recipe, role=role)
+    q, _ = CAST_AMAX(dy, scale, qdtype, out_dtype, True)
+    return q, dbias, scale, amax
+
+
+def cast_act(
+    x: Tensor,
+    act: str,
+    recipe: Recipe,
+    role: str,
+    scale: Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    offset: float = 1.0,
+):
+    """``act(x)`` quantized in the activation's own kernel (q-in): ``(q, scale used, amax)``.
+
+    ``act`` is any elementwise or gated activation of :mod:`functe.kernels._act`, or
+    ``"clamped_swiglu"`` (with ``limit``, ``alpha``, ``offset``). Current scaling runs the
+    kernel twice (amax, then cast), recomputing the activation instead of storing it.
+    """
+    qdtype, params = recipe.dtype(role), (limit, alpha, offset)
+    if isinstance(recipe, DelayedScaling):
+        q, amax = ACT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
+        return q, scale, amax
+    _, amax = ACT_CAST_AMAX(x, _ONE.to(x.device), act, *params, qdtype, out_dtype, False)
+    scale = current_scale(amax, recipe=recipe, role=role)
+    q, _ = ACT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
+    return q, scale, amax
+
+
+def cast_dact_dbias(dy: Tensor, x: Tensor, act: str, recipe: Recipe, role: str, scale, out_dtype: torch.dtype):
+    """``g = dy * act'(x)`` quantized with its bias gradient (TE's dbias_dgelu...): ``(q, dbias, scale, amax)``."""
+    qdtype = recipe.dtype(role)
+    if isinstance(recipe, DelayedScaling):
+        q, dbias, amax = DACT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
+        return q, dbias, scale, amax
+    _, dbias, amax = DACT_DBIAS_CAST_AMAX(dy, x, _ONE.to(dy.device), act, qdtype, out_dtype, False)
+    scale = current_scale(amax, recipe=recipe, role=role)
+    q, _, _ = DACT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
+    return q, dbias, scale, amax
+
+
+_ONE = torch.ones((), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- public conversions
+
+
+def quantize(
+    x: Tensor, recipe: Recipe, *, state: ScalingState | None = None, role: str = "input"
+) -> tuple[QuantizedTensor, ScalingState | None]:
+    """Quantize ``x`` for tensor ``role`` under ``recipe``: ``(QuantizedTensor, next state)``.
+
+    Saturating: values beyond the format's range become ±max (±inf included); NaN stays NaN.
+    Delayed scaling needs the role's ``state``; the cast uses its (delayed) scale and the next
+    state records ``max|x|`` (:func:`functe.delayed_scaling_update`). Stateless recipes return
+    ``None`` as the next state. Not differentiable (the result is FP8 data).
+
+    Args:
+        x: ``[..., K]`` in fp32/fp16/bf16.
+        recipe: :class:`functe.DelayedScaling`, :class:`functe.CurrentScaling` or
+            :class:`functe.MXFP8BlockScaling`.
+        state: the role's :class:`functe.ScalingState` (delayed scaling only).
+        role: ``"input"``, ``"weight"`` or ``"grad_output"``; picks E4M3 or E5M2 under HYBRID.
+
+    Example:
+        >>> import torch, functe
+        >>> recipe = functe.DelayedScaling(amax_history_len=2)
+        >>> q, state = functe.quantize(torch.tensor([0.5, 896.0]), recipe, state=functe.init_scaling_state(2))
+        >>> functe.dequantize(q).tolist(), state.scale.item()  # scale 1 saturates 896 to 448
+        ([0.5, 448.0], 0.5)
+    """
+    check_tensor("quantize", "x", x, dtypes=QUANTIZABLE)
+    check_recipe("quantize", recipe)
+    if role not in ROLES:
+        raise FuncteError(f"functe.quantize: argument 'role' expected one of {ROLES}, got {role!r}")
+    x = x.detach()
+    qdtype = recipe.dtype(role)
+    if isinstance(recipe, MXFP8BlockScaling):
+        _no_state(state, recipe)
+        if x.dim() < 1:
+            raise ShapeError(
+                "functe.quantize: argument 'x' expected rank >= 1 for MXFP8 (blocks along the last dim), "
+                f"got {describe(x)}"
+            )
+        data, e8m0 = MXFP8_CAST(x, qdtype, qdtype)
+        return QuantizedTensor(data=data, scale_inv=None, block_scales=e8m0), None
+    if isinstance(recipe, DelayedScaling):
+        check_scaling_state("quantize", "state", state)
+        if state.amax_history.shape[-1] != recipe.amax_history_len:
+            raise StateError(
+                f"functe.quantize: argument 'state.amax_history' expected length {recipe.amax_history_len} "
+                f"(the recipe's amax_history_len), got {state.amax_history.shape[-1]}"
+            )
+        data, scale, amax = cast(x, recipe, role, state.scale, qdtype)
+        new_state = delayed_scaling_update(state, amax, recipe=recipe, role=role)
+        return QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), block_scales=None), new_state
+    _no_state(state, recipe)
+    data, scale, _ = cast(x, recipe, role, None, qdtype)
+    return QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), block_scales=None), None
+
+
+def _no_state(state, recipe) -> None:
+    if state is not None:
+        raise StateError(f"functe.quantize: argument 'state' expected None ({type(recipe).__name__} is stateless)")
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The values a :class:`QuantizedTensor` stands for, in ``dtype`` (computed in fp32).
+
+    Example:
+        >>> import torch, functe
+        >>> q, _ = functe.quantize(torch.arange(64.0), functe.MXFP8BlockScaling())
+        >>> functe.dequantize(q)[[0, 31, 63]].tolist()
+        [0.0, 32.0, 64.0]
+    """
+    if not isinstance(q, QuantizedTensor):
+        raise FuncteError(f"functe.dequantize: argument 'q' expected a QuantizedTensor, got {type(q).__name__}")
+    values = q.data.to(torch.float32)
+    if q.block_scales is None:
+        return (values * q.scale_inv).to(dtype)
+    return mx_dequantize(values, q.block_scales).to(dtype)
+
+
+def mx_dequantize(values: Tensor, e8m0: Tensor) -> Tensor:
+    """``values * 2**(e - 127)`` with one exponent per 32 elements of the last dim (fp32)."""
+    k = values.shape[-1]
+    scale = e8m0_to_float(e8m0).repeat_interleave(32, dim=-1)[..., :k]
+    return values * scale

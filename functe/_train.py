@@ -1,0 +1,67 @@
+"""The training-step helper: loss, parameter gradients and the next state in one call.
+
+``functe.value_and_grad(loss_fn)(params, state, *batch)`` differentiates ``loss_fn`` with
+``torch.func`` with respect to the parameters *and* the state. The state's "gradient" is made of
+the next values the quantized ops returned as cotangents (see :mod:`functe._fp8_state`);
+:func:`functe.state_from_gradient` turns it into the next state (untouched states are kept, a
+state used twice is rejected). A training step is therefore one line, with no extra outputs in
+the loss function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._fp8_state import state_from_gradient
+from ._tree import tree_flatten, tree_unflatten
+
+
+def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool = True) -> Callable[..., Any]:
+    """``fn(params, state, *args) -> loss`` to ``(loss, param_grads, next_state)``.
+
+    Args:
+        fn: the loss function; ``params`` and ``state`` are pytrees of tensors (``state`` made of
+            :class:`functe.ScalingState` s, e.g. :class:`functe.LinearScalingState` s, or ``None``).
+        has_aux: ``fn`` returns ``(loss, aux)``; the result's first item is then ``(loss, aux)``.
+        check: reject a state that was used twice in the step (one host synchronisation;
+            see :func:`functe.state_from_gradient`).
+
+    Works under ``torch.func.vmap`` (each ensemble member keeps its own state). Under
+    ``torch.compile`` compile ``fn`` itself and take gradients with ``torch.autograd.grad``
+    outside (pytorch#193279, ``docs/design.md``).
+
+    Example:
+        >>> import torch, functe
+        >>> recipe = functe.DelayedScaling(amax_history_len=4)
+        >>> def loss_fn(params, state, x):
+        ...     return functe.ops.fp8_linear(x, params["w"], None, state, recipe=recipe).square().mean()
+        >>> params = {"w": torch.full((16, 16), 0.25)}
+        >>> state = functe.init_linear_scaling_state(recipe)
+        >>> loss, grads, state = functe.value_and_grad(loss_fn)(params, state, torch.ones(4, 16))
+        >>> state.input.amax_history.tolist(), state.input.scale.item()  # (448 / 1) / 2**0
+        ([0.0, 0.0, 0.0, 1.0], 448.0)
+    """
+
+    def step(params, state, *args, **kwargs):
+        leaves, spec = tree_flatten(state)
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+        def with_state(p, tensors):
+            full = list(leaves)
+            for i, t in zip(positions, tensors):
+                full[i] = t
+            return fn(p, tree_unflatten(spec, full), *args, **kwargs)
+
+        tensors = [leaves[i] for i in positions]
+        grads, value = torch.func.grad_and_value(with_state, argnums=(0, 1), has_aux=has_aux)(params, tensors)
+        param_grads, state_grads = grads
+        full = list(leaves)
+        for i, g in zip(positions, state_grads):
+            full[i] = g
+        next_state = state_from_gradient(state, tree_unflatten(spec, full), check=check)
+        return value, param_grads, next_state
+
+    return step

@@ -1,0 +1,115 @@
+"""Checkpoints (exact save/load, bit-for-bit resume: TE's checkpointing test), the quantize API, the FP8 demo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fp8_helpers import FP8, MAX
+
+import functe
+from functe import demo
+
+
+def _same_tree(a, b):
+    la, lb = functe.tree_leaves(a), functe.tree_leaves(b)
+    return len(la) == len(lb) and all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_resumed_run_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, suffix):
+    params = demo.init_params(0)
+    start = (params, demo.adam_init(params), demo.init_fp8_state())
+    *straight, straight_losses = demo.fp8_steps(*start, 0, 4)
+    *half, first_losses = demo.fp8_steps(*start, 0, 2)
+    path = tmp_path / f"ckpt{suffix}"
+    functe.save_tree(path, tuple(half))
+    loaded = functe.load_tree(path, tuple(half))
+    assert _same_tree(loaded, tuple(half))
+    *resumed, rest_losses = demo.fp8_steps(*loaded, 2, 4)
+    assert first_losses + rest_losses == straight_losses
+    assert _same_tree(tuple(resumed), tuple(straight))  # params, Adam moments and every FP8 state
+    assert not torch.equal(straight[2]["fc1"].input.scale, start[2]["fc1"].input.scale)  # the states moved
+
+
+def test_tree_dict_keys_and_errors():
+    state = {"fc1": functe.init_linear_scaling_state(functe.DelayedScaling(amax_history_len=2)), "none": None}
+    flat = functe.tree_to_dict(state)
+    assert sorted(flat) == sorted(
+        f"fc1.{role}.{field}" for role in ("input", "weight", "grad_output") for field in ("scale", "amax_history")
+    )
+    with pytest.raises(functe.StateError, match=r"missing \['fc1.input.scale'\]"):
+        functe.tree_from_dict(state, {k: v for k, v in flat.items() if k != "fc1.input.scale"})
+    with pytest.raises(functe.StateError, match=r"'fc1.weight.amax_history' expected f32\[2\] \(as in the template\)"):
+        functe.tree_from_dict(state, {**flat, "fc1.weight.amax_history": torch.zeros(3)})
+    with pytest.raises(functe.StateError, match=r"unexpected \['extra'\]"):
+        functe.tree_from_dict(state, {**flat, "extra": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("recipe", [functe.CurrentScaling(), functe.MXFP8BlockScaling()], ids=["current", "mxfp8"])
+@pytest.mark.parametrize("role", ["input", "grad_output"])
+def test_quantize_round_trip_error_is_half_an_fp8_step(recipe, role, backend):
+    recipe = type(recipe)(fp8_format=functe.Format.HYBRID)
+    x = torch.randn(37, 64) * torch.logspace(-2, 2, 64)
+    q, nxt = functe.quantize(x, recipe, role=role)
+    assert nxt is None and q.data.dtype == recipe.dtype(role) and q.data.shape == x.shape
+    back = functe.dequantize(q, torch.float64)
+    mant = 3 if q.data.dtype == torch.float8_e4m3fn else 2
+    if q.block_scales is None:
+        step = q.scale_inv.double() * 2.0 ** (-9 if mant == 3 else -16)  # the subnormal spacing
+        assert q.scale_inv.item() * MAX[q.data.dtype] == pytest.approx(x.abs().max().item(), rel=1e-6)
+    else:
+        scale_inv = functe._quantize.mx_dequantize(torch.ones_like(x), q.block_scales).double()
+        step = scale_inv * 2.0 ** (-9 if mant == 3 else -16)
+    bound = (2.0 ** -(mant + 1) + 1e-6) * x.double().abs() + step / 2  # + fp32 rounding of x * scale
+    assert ((back - x.double()).abs() <= bound).all()
+    again, _ = functe.quantize(back.float(), recipe, role=role)  # quantizing dequantized values is lossless
+    if q.block_scales is None:
+        assert torch.equal(again.data.view(torch.uint8), q.data.view(torch.uint8))
+    else:
+        assert torch.equal(functe.dequantize(again, torch.float64), back)
+
+
+def test_quantize_delayed_uses_the_state_and_returns_the_next_one():
+    recipe = functe.DelayedScaling(amax_history_len=3)
+    state = functe.ScalingState(torch.tensor(2.0), torch.zeros(3))
+    x = torch.tensor([1.0, -300.0, 0.01])
+    q, nxt = functe.quantize(x, recipe, state=state)
+    assert q.scale_inv.item() == 0.5 and functe.dequantize(q).tolist()[:2] == [1.0, -224.0]  # -600 saturates to -448
+    expected = functe.delayed_scaling_update(state, torch.tensor(300.0), recipe=recipe, role="input")
+    assert torch.equal(nxt.scale, expected.scale) and torch.equal(nxt.amax_history, expected.amax_history)
+
+
+def test_quantize_errors():
+    with pytest.raises(functe.StateError, match=r"'state' expected a ScalingState, got NoneType"):
+        functe.quantize(torch.ones(2), functe.DelayedScaling(amax_history_len=2))
+    with pytest.raises(functe.StateError, match=r"expected length 2 \(the recipe's amax_history_len\), got 3"):
+        functe.quantize(torch.ones(2), functe.DelayedScaling(amax_history_len=2), state=functe.init_scaling_state(3))
+    with pytest.raises(functe.StateError, match=r"'state' expected None \(CurrentScaling is stateless\)"):
+        functe.quantize(torch.ones(2), functe.CurrentScaling(), state=functe.init_scaling_state(3))
+    with pytest.raises(functe.DTypeError, match=r"'x' expected dtype f32\|f16\|bf16, got f64\[2\]"):
+        functe.quantize(torch.ones(2, dtype=torch.float64), functe.CurrentScaling())
+    with pytest.raises(functe.FuncteError, match=r"'role' expected one of"):
+        functe.quantize(torch.ones(2), functe.CurrentScaling(), role="output")
+    with pytest.raises(functe.ShapeError, match=r"rank >= 1 for MXFP8"):
+        functe.quantize(torch.tensor(1.0), functe.MXFP8BlockScaling())
+    assert set(FP8) == {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def test_fp8_demo_trains_and_scales_move(capsys):
+    losses = demo.train_fp8(steps=150, log_every=50)
+    out = capsys.readouterr().out
+    assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
+    assert "step  150" in out and "fc2.grad_output" in out
+
+
+def test_fp8_design_note_example_runs():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "fp8.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    namespace: dict = {}
+    exec(compile(block, "docs/fp8.md", "exec"), namespace)
+    state = namespace["state"]
+    assert state["fc1"].input.amax_history[-1].item() == namespace["x"].abs().max().item()
+    assert state["fc2"].grad_output.scale.item() != 1.0

@@ -1,0 +1,218 @@
+"""Recipes, TE's scale updates, and the state-through-the-gradient protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from fp8_helpers import py_delayed_update
+
+import functe
+from functe import DelayedScaling, Format
+from functe._fp8_state import FLT_MAX, as_cotangent
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def test_recipe_defaults_are_te_and_hashable():
+    d = DelayedScaling()
+    assert (d.margin, d.fp8_format, d.amax_history_len, d.amax_compute_algo) == (0, Format.HYBRID, 1024, "max")
+    c = functe.CurrentScaling()
+    assert (c.fp8_format, c.power_2_scales, c.amax_epsilon) == (Format.HYBRID, False, 0.0)
+    m = functe.MXFP8BlockScaling()
+    assert m.fp8_format is Format.E4M3 and m.block_size == 32
+    assert {d: 1, DelayedScaling(): 2}[d] == 2 and hash(d) == hash(DelayedScaling())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.margin = 3
+
+
+def test_formats_map_roles_to_dtypes():
+    assert [Format.HYBRID.dtype(r) for r in ("input", "weight", "grad_output")] == [E4M3, E4M3, E5M2]
+    assert [Format.E4M3.dtype(r) for r in ("input", "weight", "grad_output")] == [E4M3, E4M3, E4M3]
+    assert DelayedScaling().max("grad_output") == 57344.0 and DelayedScaling().max("input") == 448.0
+    assert functe.MXFP8BlockScaling(fp8_format=Format.HYBRID).dtype("grad_output") == E5M2
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: DelayedScaling(fp8_format=Format.E5M2), r"pure E5M2 training is not supported"),
+        (lambda: functe.CurrentScaling(fp8_format=Format.E5M2), r"pure E5M2"),
+        (lambda: functe.MXFP8BlockScaling(fp8_format=Format.E5M2), r"pure E5M2"),
+        (lambda: DelayedScaling(fp8_format="HYBRID"), r"fp8_format must be a functe.Format, got 'HYBRID'"),
+        (lambda: DelayedScaling(amax_history_len=0), r"amax_history_len must be >= 1, got 0"),
+        (lambda: DelayedScaling(amax_history_len=2.0), r"amax_history_len must be an int"),
+        (lambda: DelayedScaling(margin=0.5), r"margin must be an int, got 0.5"),
+        (lambda: DelayedScaling(amax_compute_algo=max), r"amax_compute_algo must be 'max' or 'most_recent'"),
+        (lambda: functe.CurrentScaling(amax_epsilon=-1.0), r"amax_epsilon must be a number >= 0"),
+        (lambda: functe.CurrentScaling(power_2_scales=1), r"power_2_scales must be a bool"),
+    ],
+)
+def test_recipe_validation(make, message):
+    with pytest.raises(functe.RecipeError, match=message):
+        make()
+
+
+# ----------------------------------------------------------------------------- delayed scaling update
+
+
+def _update_loop(recipe, role, amaxes, history_len):
+    state = functe.init_scaling_state(history_len)
+    py_scale, py_hist = np.float32(1.0), [np.float32(0.0)] * history_len
+    for k, a in enumerate(amaxes):
+        state = functe.delayed_scaling_update(state, torch.tensor(a), recipe=recipe, role=role)
+        py_scale, py_hist = py_delayed_update(
+            py_scale, py_hist, a, fp8_max=recipe.max(role), margin=recipe.margin, algo=recipe.amax_compute_algo
+        )
+        got = state.amax_history.numpy()
+        assert state.scale.dtype == torch.float32 and state.amax_history.dtype == torch.float32
+        assert np.array_equal(state.scale.numpy(), py_scale, equal_nan=True), (k, state.scale, py_scale)
+        assert np.array_equal(got, np.array(py_hist, dtype=np.float32), equal_nan=True), (k, got, py_hist)
+    return state
+
+
+@pytest.mark.parametrize("history_len", [1, 2, 16])
+@pytest.mark.parametrize(("algo", "margin", "role"), [("max", 0, "input"), ("most_recent", 2, "grad_output")])
+def test_200_steps_match_a_plain_python_reimplementation_exactly(history_len, algo, margin, role):
+    g = np.random.default_rng(history_len)
+    amaxes = list((np.exp(g.normal(size=200) * 3)).astype(np.float32))
+    # Every special case of the update: zero, inf, NaN amax (keep the old scale), a tiny one
+    # (infinite scale -> FLT_MAX), repeats and long decreasing runs (the window slides).
+    for k, special in [(7, 0.0), (30, float("inf")), (31, 5.0), (55, float("nan")), (90, 1e-45), (120, 0.0)]:
+        amaxes[k] = np.float32(special)
+    amaxes[140:170] = list(np.linspace(1000, 1, 30, dtype=np.float32))
+    recipe = DelayedScaling(margin=margin, amax_history_len=history_len, amax_compute_algo=algo)
+    _update_loop(recipe, role, amaxes, history_len)
+
+
+def test_update_special_cases_explicitly():
+    recipe = DelayedScaling(amax_history_len=3)
+    state = functe.init_scaling_state(3)
+    upd = lambda s, a: functe.delayed_scaling_update(s, torch.tensor(a), recipe=recipe, role="input")
+    state = upd(state, 0.0)
+    assert state.scale.item() == 1.0 and state.amax_history.tolist() == [0.0, 0.0, 0.0]  # a fresh state keeps 1
+    state = upd(state, 1e-45)
+    assert state.scale.item() == FLT_MAX  # (448 / tiny) is inf -> FLT_MAX
+    state = upd(state, 7.0)
+    assert state.scale.item() == 64.0 and torch.equal(state.amax_history, torch.tensor([0.0, 1e-45, 7.0]))
+    state = upd(state, float("nan"))
+    assert state.scale.item() == 64.0  # NaN in the window keeps the old scale
+    assert math.isnan(state.amax_history[-1].item())
+
+
+def test_current_scale_rules():
+    cs = lambda a, **kw: functe.current_scale(torch.tensor(a), recipe=functe.CurrentScaling(**kw), role="input").item()
+    assert cs(3.5) == 128.0 and cs(3.0) == np.float32(448.0) / np.float32(3.0)
+    assert cs(0.0) == cs(float("inf")) == cs(float("nan")) == 1.0
+    assert cs(1e-45) == FLT_MAX
+    assert cs(3.0, power_2_scales=True) == 128.0 and cs(0.9, power_2_scales=True) == 256.0
+    assert cs(0.0, amax_epsilon=0.5) == 896.0 and cs(3.5, amax_epsilon=0.5) == 128.0
+
+
+# ----------------------------------------------------------------------------- cotangent protocol
+
+
+def _states(history_len=4):
+    recipe = DelayedScaling(amax_history_len=history_len)
+    old = functe.init_scaling_state(history_len)
+    new = functe.delayed_scaling_update(old, torch.tensor(3.5), recipe=recipe, role="input")
+    return recipe, old, new
+
+
+def test_state_from_gradient_keeps_untouched_takes_used_rejects_doubled():
+    _, old, new = _states()
+    untouched = functe.ScalingState(torch.zeros(()), torch.zeros(4))  # what grad gives an unreached state
+    doubled = functe.tree_map(lambda t: 2 * t, as_cotangent(new))
+    got = functe.state_from_gradient(
+        {"a": old, "b": old, "c": None}, {"a": untouched, "b": as_cotangent(new), "c": None}
+    )
+    assert torch.equal(got["a"].scale, old.scale) and torch.equal(got["a"].amax_history, old.amax_history)
+    assert torch.equal(got["b"].scale, new.scale) and torch.equal(got["b"].amax_history, new.amax_history)
+    assert got["c"] is None
+    with pytest.raises(functe.StateError, match=r"state at state\.fc2 was used more than once.*share_state"):
+        functe.state_from_gradient({"fc1": old, "fc2": old}, {"fc1": untouched, "fc2": doubled})
+    poisoned = functe.state_from_gradient(old, doubled, check=False)  # no sync: NaN makes it visible later
+    assert poisoned.scale.isnan() and poisoned.amax_history.isnan().all()
+
+
+def test_state_from_gradient_rejects_loose_tensors():
+    with pytest.raises(functe.StateError, match=r"tensor outside a ScalingState at state\.step"):
+        functe.state_from_gradient({"step": torch.zeros(())}, {"step": torch.zeros(())})
+
+
+def test_state_passed_through_an_op_is_rejected():
+    # The chain rule scales the cotangent: the count in slot 0 is no longer 1.
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def loss_fn(params, state, x):
+        bent = functe.LinearScalingState(
+            input=functe.ScalingState(state.input.scale * 2, state.input.amax_history * 2),
+            weight=state.weight,
+            grad_output=state.grad_output,
+        )
+        return functe.ops.fp8_linear(x, params, None, bent, recipe=recipe).sum()
+
+    state = functe.init_linear_scaling_state(recipe)
+    with pytest.raises(functe.StateError, match=r"state\.input was used more than once.*or reached its op through"):
+        functe.value_and_grad(loss_fn)(torch.ones(4, 16), state, torch.ones(2, 16))
+
+
+# ----------------------------------------------------------------------------- share_state
+
+
+def _two_uses(recipe, state, x1, x2, w, *, share: bool, use_second: bool = True):
+    def loss_fn(params, state, x1, x2):
+        s1, s2 = functe.share_state(state, 2, recipe=recipe) if share else (state, state)
+        y = functe.ops.fp8_linear(x1, params, None, s1, recipe=recipe).sum()
+        if use_second:
+            y = y + 3 * functe.ops.fp8_linear(x2, params, None, s2, recipe=recipe).sum()
+        return y
+
+    return functe.value_and_grad(loss_fn)(w, state, x1, x2)
+
+
+def test_share_state_combines_uses_by_max():
+    recipe = DelayedScaling(amax_history_len=4, margin=1)
+    state = functe.init_linear_scaling_state(recipe)
+    w = torch.randn(8, 16)
+    x1, x2 = torch.randn(3, 16), torch.randn(5, 16) * 4  # the second use has the larger amax
+    _, _, shared = _two_uses(recipe, state, x1, x2, w, share=True)
+    amax_x = max(x1.abs().max(), x2.abs().max())
+    expected_in = functe.delayed_scaling_update(state.input, amax_x, recipe=recipe, role="input")
+    assert torch.equal(shared.input.scale, expected_in.scale)
+    assert torch.equal(shared.input.amax_history, expected_in.amax_history)
+    # grad_output: dy is 1 for the first use and 3 for the second -> amax 3.
+    expected_go = functe.delayed_scaling_update(state.grad_output, torch.tensor(3.0), recipe=recipe, role="grad_output")
+    assert torch.equal(shared.grad_output.scale, expected_go.scale)
+    with pytest.raises(functe.StateError, match=r"state\.input.*used more than once"):
+        _two_uses(recipe, state, x1, x2, w, share=False)
+
+
+def test_share_state_with_an_unused_copy_is_a_single_use():
+    recipe = DelayedScaling(amax_history_len=4)
+    state = functe.init_linear_scaling_state(recipe)
+    w, x1 = torch.randn(8, 16), torch.randn(3, 16)
+    _, _, shared = _two_uses(recipe, state, x1, None, w, share=True, use_second=False)
+    _, _, single = functe.value_and_grad(lambda p, s, x: functe.ops.fp8_linear(x, p, None, s, recipe=recipe).sum())(
+        w, state, x1
+    )
+    for a, b in zip(functe.tree_leaves(shared), functe.tree_leaves(single)):
+        assert torch.equal(a, b)
+
+
+def test_share_state_errors():
+    recipe = DelayedScaling(amax_history_len=1)
+    state = functe.init_linear_scaling_state(recipe)
+    with pytest.raises(functe.StateError, match=r"needs amax_history_len >= 2"):
+        functe.share_state(state, 2, recipe=recipe)
+    with pytest.raises(functe.StateError, match=r"only DelayedScaling keeps state"):
+        functe.share_state(state, 2, recipe=functe.CurrentScaling())
+    recipe = DelayedScaling(amax_history_len=2)
+    with pytest.raises(functe.StateError, match=r"n must be an int >= 1, got 0"):
+        functe.share_state(functe.init_linear_scaling_state(recipe), 0, recipe=recipe)
