@@ -292,7 +292,13 @@ def _make_function(
     # The staticmethods close over plain functions and values only: Dynamo
     # cannot rebuild arbitrary objects (such as the CustomVJP) inside the
     # autograd.Function it traces.
-    def forward(call, *leaves):
+    def forward(*args):
+        # When no input requires grad, Dynamo calls forward with a ctx in front
+        # unless the parameter count matches the arguments, which it cannot for
+        # ``*leaves``; the ctx is dropped here (eager autograd never passes one).
+        if not isinstance(args[0], _Call):
+            args = args[1:]
+        call, leaves = args[0], args[1:]
         out_leaves, new, layout = _run_forward(name, fwd, call, leaves)
         return (*out_leaves, *new, layout)
 
