@@ -37,6 +37,7 @@ style (``forward`` without ctx, plus ``setup_context``), which is the only style
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 Tensor = torch.Tensor
 
 _IN, _OUT, _NEW, _CONST = 0, 1, 2, 3
+_VARARGS = inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
 
 
 class _Call:
@@ -386,6 +388,9 @@ def _make_function(
         out_dims = (*(None if o is None else 0 for o in out_leaves), *([0] * len(new)), None)
         return outputs, out_dims
 
+    # Function.apply binds its arguments with inspect.signature(forward) on every
+    # call; a precomputed signature makes that lookup free.
+    forward.__signature__ = _VARARGS
     methods = {
         "forward": staticmethod(forward),
         "setup_context": staticmethod(setup_context),

@@ -3,25 +3,34 @@
 A twin has two jobs: it is the *reference* (differentiable, vmap- and
 fake-tensor-friendly, used for second derivatives and as a custom op's fake
 implementation) and it is the CPU *implementation* (what ``functe.ops`` runs on
-CPU tensors). The second job needs speed: a formula of several torch ops in
-fp32 reads and writes memory once per op, and for bf16 inputs it also pays an
-upcast and a downcast pass. When nothing can observe how a result is computed
-(plain CPU tensors, no autograd recording, no ``torch.func`` transform, not
-compiling), a twin may instead process its rows in cache-sized chunks with
-``out=`` and in-place ops: the same formula, in the same precision, with one
-trip through memory.
+CPU tensors). The second job needs speed. Evaluated on whole tensors, a formula
+of several torch ops reads and writes memory once per op, and for bf16 inputs
+an fp32 evaluation adds an upcast pass and doubles the bytes of every
+temporary. So when nothing can observe how a result is computed (plain CPU
+tensors, no autograd recording, no ``torch.func`` transform, not compiling), a
+twin may instead evaluate the same formula, in the same precision, on
+cache-sized chunks of rows with ``out=`` and in-place ops.
+
+Chunks hold fewer than ATen's grain size (32768 elements), so each op runs
+inline on the calling thread, and :func:`parallel_chunks` spreads the chunks
+over ``torch.get_num_threads()`` Python threads (torch releases the GIL inside
+ops). Many small ops each opening an OpenMP parallel region would instead pay
+a barrier per op, which is ruinous when the machine is shared (a descheduled
+worker thread stalls every op by a scheduler tick).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 Tensor = torch.Tensor
 
-CHUNK_ELEMENTS = 1 << 16
-"""Elements per chunk: a few fp32 temporaries of this size stay in a core's L2 cache."""
+CHUNK_ELEMENTS = 32768
+"""Elements per chunk: ATen's ``GRAIN_SIZE``, below which an op does not go parallel."""
 
 
 def eager_cpu(*tensors: Tensor | None) -> bool:
@@ -43,8 +52,81 @@ def eager_cpu(*tensors: Tensor | None) -> bool:
     return True
 
 
-def row_chunks(n_rows: int, n_cols: int, elements: int = CHUNK_ELEMENTS) -> Iterator[slice]:
-    """Slices of whole rows holding about ``elements`` elements each."""
-    step = max(1, elements // max(n_cols, 1))
-    for start in range(0, n_rows, step):
-        yield slice(start, min(start + step, n_rows))
+def rows_per_chunk(row_elements: int) -> int:
+    """How many rows of ``row_elements`` elements make one chunk."""
+    return max(1, CHUNK_ELEMENTS // max(row_elements, 1))
+
+
+class Scratch:
+    """Reusable chunk buffers of one row shape and dtype, sliced to each chunk's rows."""
+
+    def __init__(self, rows: int, shape: tuple[int, ...], dtype: torch.dtype):
+        self.rows, self.shape, self.dtype = rows, shape, dtype
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, m: int, dtype: torch.dtype | None = None) -> Tensor:
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = self._buffers[name] = torch.empty((self.rows, *self.shape), dtype=dtype or self.dtype)
+        return buf[:m]
+
+    def upcast(self, name: str, t: Tensor) -> Tensor:
+        """``t`` in the compute dtype: itself if it already is, else a copy into a buffer."""
+        if t.dtype == self.dtype:
+            return t
+        return self.get(name, t.shape[0]).copy_(t)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != workers:
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="functe-cpu")
+        return _pool
+
+
+def parallel_chunks(
+    n_rows: int,
+    row_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    body: Callable[[int, slice, Scratch], None],
+) -> int:
+    """Call ``body(index, rows, scratch)`` for every chunk of rows; return the number of chunks.
+
+    Chunk ``index`` covers ``rows``; each thread has its own ``scratch``. The
+    chunking does not depend on the thread count, so a caller that reduces
+    per-chunk partial results in index order gets the same bits on any machine.
+    """
+    row_elements = 1
+    for d in row_shape:
+        row_elements *= d
+    step = rows_per_chunk(row_elements)
+    chunks = [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
+    if not chunks:
+        return 0
+    threads = min(torch.get_num_threads(), len(chunks))
+    if row_elements > CHUNK_ELEMENTS:
+        threads = 1  # a single row already spans a chunk: its ops go parallel themselves
+
+    def work(first: int) -> None:
+        # Grad mode is thread-local (on in a fresh thread); the fast path records nothing.
+        with torch.no_grad():
+            scratch = Scratch(step, row_shape, dtype)
+            for i in range(first, len(chunks), threads):
+                body(i, chunks[i], scratch)
+
+    if threads <= 1:
+        work(0)
+        return len(chunks)
+    pool = _executor(torch.get_num_threads() - 1)
+    futures = [pool.submit(work, t) for t in range(1, threads)]
+    try:
+        work(0)
+    finally:
+        for f in futures:
+            f.result()
+    return len(chunks)

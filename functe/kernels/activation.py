@@ -37,7 +37,7 @@ from .._kernel import Kernel, Rowwise
 from . import _act
 from ._act import ACTIVATIONS, GATED
 from ._common import as_rows, compute_dtype, tl_compute_dtype
-from ._fast import eager_cpu
+from ._fast import eager_cpu, parallel_chunks
 from ._triton import jit, next_power_of_2
 
 Tensor = torch.Tensor
@@ -348,6 +348,8 @@ def activation_ref(x: Tensor, name: str, interleave: int, limit: float, alpha: f
     native = _NATIVE_FWD.get(name)
     if native is not None:
         return native(x)
+    if eager_cpu(x):
+        return _fast_forward(x, None, name, interleave, limit, alpha, offset)
     return _value(x.to(compute_dtype(x.dtype)), name, interleave, limit, alpha, offset).to(x.dtype)
 
 
@@ -355,6 +357,8 @@ def activation_scaled_ref(
     x: Tensor, s: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
 ) -> Tensor:
     """PyTorch twin of :func:`activation_scaled`."""
+    if eager_cpu(x, s):
+        return _fast_forward(x, s, name, interleave, limit, alpha, offset)
     acc = compute_dtype(x.dtype)
     y = _value(x.to(acc), name, interleave, limit, alpha, offset) * s.to(acc)[..., None]
     return y.to(x.dtype)
@@ -364,9 +368,13 @@ def dactivation_ref(
     dy: Tensor, x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
 ) -> Tensor:
     """PyTorch twin of :func:`dactivation`."""
-    native = _NATIVE_DACT.get(name)
-    if native is not None and eager_cpu(dy, x):
-        return native(dy, x)
+    if eager_cpu(dy, x):
+        native = _NATIVE_DACT.get(name)
+        if native is not None:
+            return native(dy, x)
+        if name in ("relu", "srelu"):
+            return _fast_relu_backward(dy, x, name)
+        return _fast_backward(dy, x, None, name, interleave, limit, alpha, offset)[0]
     acc = compute_dtype(x.dtype)
     return _vjp(dy.to(acc), x.to(acc), name, interleave, limit, alpha, offset).to(x.dtype)
 
@@ -375,11 +383,170 @@ def dactivation_scaled_ref(
     dy: Tensor, x: Tensor, s: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`dactivation_scaled`."""
+    if eager_cpu(dy, x, s):
+        return _fast_backward(dy, x, s, name, interleave, limit, alpha, offset)
     acc = compute_dtype(x.dtype)
     dy, xa = dy.to(acc), x.to(acc)
     dx = _vjp(dy * s.to(acc)[..., None], xa, name, interleave, limit, alpha, offset)
     ds = (dy * _value(xa, name, interleave, limit, alpha, offset)).sum(-1)
     return dx.to(x.dtype), ds.to(s.dtype)
+
+
+# ----------------------------------------------------------------------------- CPU fast path
+#
+# The same formulas on cache-sized row chunks in the compute dtype, with in-place
+# and out= ops (see functe.kernels._fast). Used only where no autograd or
+# transform can observe it; the functions above are the reference.
+
+_aten = torch.ops.aten
+
+
+def _f_into(t: Tensor, name: str, out: Tensor) -> Tensor:
+    """``out ← f(t)`` (``t`` unchanged)."""
+    if name == "gelu":
+        _aten.gelu.out(t, approximate="tanh", out=out)
+    elif name == "silu":
+        _aten.silu.out(t, out=out)
+    elif name == "sigmoid":
+        torch.sigmoid(t, out=out)
+    elif name == "qgelu":
+        torch.mul(t, 1.702, out=out).sigmoid_().mul_(t)
+    else:  # relu, srelu; clamp keeps NaN
+        torch.clamp(t, min=0.0, out=out)
+        if name == "srelu":
+            out.square_()
+    return out
+
+
+def _vjp_into(g: Tensor, t: Tensor, name: str, out: Tensor, tmp: Tensor) -> Tensor:
+    """``out ← g·f'(t)`` (``out`` may be ``g``; ``tmp`` is scratch)."""
+    if name == "gelu":
+        _aten.gelu_backward.grad_input(g, t, approximate="tanh", grad_input=out)
+    elif name == "silu":
+        _aten.silu_backward.grad_input(g, t, grad_input=out)
+    elif name == "qgelu":  # qgelu'(x) = silu'(1.702x): TE's σ(z) + zσ(z)(1 − σ(z)) with z = 1.702x
+        _aten.silu_backward.grad_input(g, torch.mul(t, 1.702, out=tmp), grad_input=out)
+    elif name == "sigmoid":
+        _aten.sigmoid_backward.grad_input(g, torch.sigmoid(t, out=tmp), grad_input=out)
+    elif name == "relu":  # ceil(clamp(x, 0, 1)): 1 for x > 0, 0 for x <= 0, NaN for NaN
+        torch.mul(g, torch.clamp(t, 0.0, 1.0, out=tmp).ceil_(), out=out)
+    else:  # srelu: 2·relu(x)
+        torch.mul(g, torch.clamp(t, min=0.0, out=tmp), out=out).mul_(2.0)
+    return out
+
+
+def _clamped_into(a: Tensor, b: Tensor, limit: float, alpha: float, offset: float, out: Tensor, tmp: Tensor):
+    """``out ← a_c·σ(α·a_c)·(clamp(b, ±limit) + offset)``."""
+    a_c = torch.clamp(a, max=limit, out=tmp)
+    torch.mul(a_c, alpha, out=out).sigmoid_().mul_(a_c)
+    out.mul_(torch.clamp(b, -limit, limit, out=tmp).add_(offset))
+    return out
+
+
+def _clamped_vjp_into(g, a, b, limit, alpha, offset, da, db, tmp):
+    """``da ← g·∂y/∂a``, ``db ← g·∂y/∂b`` of the clamped SwiGLU (zero where a clamp is active)."""
+    a_c = torch.clamp(a, max=limit, out=tmp)
+    torch.mul(a_c, alpha, out=db).sigmoid_().mul_(a_c).mul_(g)  # g·a_c·σ(α·a_c)
+    db.masked_fill_(~((b >= -limit) & (b <= limit)), 0.0)
+    torch.clamp(b, -limit, limit, out=da).add_(offset).mul_(g)  # g·b_c
+    _aten.silu_backward.grad_input(da, a_c.mul_(alpha), grad_input=da)  # ·silu'(α·a_c), TE's da formula
+    da.masked_fill_(~(a <= limit), 0.0)
+
+
+def _lanes(x: Tensor, name: str, interleave: int) -> tuple[Tensor, Tensor | None]:
+    """Views ``[R, blocks, k]`` of the activated input and (gated) the linear half."""
+    rows = x.reshape(-1, x.shape[-1] if x.dim() else 1)
+    if not is_gated(name):
+        return rows.unsqueeze(1), None
+    h = rows.shape[1] // 2
+    k = interleave or h
+    blocks = rows.view(-1, h // k, 2, k)
+    return blocks.select(2, 0), blocks.select(2, 1)
+
+
+def _fast_relu_backward(dy: Tensor, x: Tensor, name: str) -> Tensor:
+    """relu/srelu ``dy·f'(x)`` in x's dtype: f'(x) is exact (0, 1 or 2·relu(x)), so the one
+    product rounds once, as in fp32 followed by a cast."""
+    if name == "relu":
+        # threshold_backward (x <= 0 ? 0 : dy) equals dy·relu'(x) unless x holds NaN or dy a
+        # non-finite value (then dy·0 is NaN): two cheap reductions decide.
+        if not torch.isnan(x.sum()) and torch.isfinite(dy.sum()):
+            return _aten.threshold_backward(dy, x, 0)
+        return dy * torch.clamp(x, 0.0, 1.0).ceil_()  # 1 for x > 0, 0 for x <= 0, NaN for NaN
+    rows, dy_rows = x.reshape(-1, x.shape[-1] if x.dim() else 1), dy.reshape(-1, x.shape[-1] if x.dim() else 1)
+    dx = torch.empty_like(rows)
+
+    def body(_, sl, buf):
+        tmp = buf.get("tmp", sl.stop - sl.start)
+        torch.mul(dy_rows[sl], torch.clamp(rows[sl], min=0.0, out=tmp), out=dx[sl]).mul_(2.0)
+
+    parallel_chunks(rows.shape[0], rows.shape[1:], x.dtype, body)
+    return dx.view(x.shape)
+
+
+def _fast_forward(x, s, name, interleave, limit, alpha, offset) -> Tensor:
+    _, gated, clamped = describe(name)
+    base = GATED.get(name, name)
+    a, b = _lanes(x, name, interleave)
+    n_rows, blocks, k = a.shape
+    y = torch.empty((n_rows, blocks, k), dtype=x.dtype)
+    s_rows = None if s is None else s.reshape(-1, 1, 1)
+
+    def body(_, sl, buf):
+        m = sl.stop - sl.start
+        ta, out = buf.upcast("a", a[sl]), buf.get("out", m)
+        if clamped:
+            _clamped_into(ta, buf.upcast("b", b[sl]), limit, alpha, offset, out, buf.get("tmp", m))
+        else:
+            _f_into(ta, base, out)
+            if gated:
+                out.mul_(b[sl])
+        if s_rows is not None:
+            out.mul_(s_rows[sl])
+        y[sl].copy_(out)
+
+    parallel_chunks(n_rows, (blocks, k), compute_dtype(x.dtype), body)
+    return y.view(_y_shape(x, name))
+
+
+def _fast_backward(dy, x, s, name, interleave, limit, alpha, offset) -> tuple[Tensor, Tensor | None]:
+    _, gated, clamped = describe(name)
+    base = GATED.get(name, name)
+    a, b = _lanes(x, name, interleave)
+    n_rows, blocks, k = a.shape
+    acc = compute_dtype(x.dtype)
+    dy_lanes = dy.reshape(n_rows, blocks, k)
+    dx = torch.empty((n_rows, blocks, 2 if gated else 1, k), dtype=x.dtype)
+    da, db = dx.select(2, 0), (dx.select(2, 1) if gated else None)
+    s_rows = None if s is None else s.reshape(-1, 1, 1)
+    ds = None if s is None else torch.empty(n_rows, dtype=acc)
+
+    def body(_, sl, buf):
+        m = sl.stop - sl.start
+        ta, g = buf.upcast("a", a[sl]), buf.upcast("g", dy_lanes[sl])
+        tb = None if b is None else buf.upcast("b", b[sl])
+        gs = g if s_rows is None else torch.mul(g, s_rows[sl], out=buf.get("gs", m))
+        out, tmp, value = buf.get("out", m), buf.get("tmp", m), buf.get("value", m)
+        if clamped:
+            _clamped_vjp_into(gs, ta, tb, limit, alpha, offset, out, value, tmp)
+            da[sl].copy_(out)
+            db[sl].copy_(value)
+            if ds is not None:
+                _clamped_into(ta, tb, limit, alpha, offset, value, tmp)
+        elif gated:
+            da[sl].copy_(_vjp_into(torch.mul(gs, tb, out=out), ta, base, out, tmp))
+            db[sl].copy_(torch.mul(_f_into(ta, base, value), gs, out=out))
+            if ds is not None:
+                value.mul_(tb)
+        else:
+            da[sl].copy_(_vjp_into(gs, ta, base, out, tmp))
+            if ds is not None:
+                _f_into(ta, base, value)
+        if ds is not None:
+            torch.sum(value.mul_(g), dim=(1, 2), out=ds[sl])
+
+    parallel_chunks(n_rows, (blocks, k), acc, body)
+    return dx.view(x.shape), (None if ds is None else ds.to(s.dtype).view(s.shape))
 
 
 ACTIVATION = Kernel("activation", activation, activation_ref, batch=Rowwise())

@@ -41,8 +41,9 @@ import triton
 import triton.language as tl
 
 from .._kernel import Kernel, Rowwise
+from . import _fast
 from ._common import compute_dtype, tl_compute_dtype
-from ._fast import CHUNK_ELEMENTS, eager_cpu
+from ._fast import eager_cpu
 from ._triton import ELEMENTWISE_BLOCK, jit
 
 Tensor = torch.Tensor
@@ -213,30 +214,33 @@ def _keep(seed: Tensor, shape: torch.Size, p: float) -> Tensor:
 
 
 def _dropout_fast(x: Tensor, seed: Tensor, p: float) -> Tensor:
-    """The CPU fast path: cache-sized chunks, per-chunk keys as Python ints, in-place int32 ops."""
+    """The CPU fast path: per-chunk keys as Python ints, in-place int32 ops on cache-sized chunks."""
     flat = x.contiguous().view(seed.numel(), -1)
     y = torch.empty_like(flat)
     n = flat.shape[1]
-    thresh, s = threshold(p), scale(p)
-    size = min(CHUNK_ELEMENTS * 4, max(n, 1))  # a power of two never crosses a 2^32 index boundary
-    base = torch.arange(size, dtype=torch.int32)
-    v, t = torch.empty_like(base), torch.empty_like(base)
-    keep = torch.empty(size, dtype=torch.bool)
-    for g, seed_g in enumerate(seed.reshape(-1).tolist()):
-        key = key_int(seed_g)
-        for start in range(0, n, size):
-            m = min(size, n - start)
-            vm, tm, km = v[:m], t[:m], keep[:m]
-            block_key = mix_int(key ^ mix_int(start >> 32))
-            torch.add(base[:m], _i32(start & _M32), out=vm)
-            vm ^= _i32(block_key)
-            _mix_(vm, tm)
-            vm += _i32(key)
-            _mix_(vm, tm)
-            torch.ge(vm, thresh, out=km)
-            out = y[g, start : start + m]
-            torch.mul(flat[g, start : start + m], km, out=out)
-            out.mul_(s)
+    size = _fast.CHUNK_ELEMENTS  # a power of two: a chunk never crosses a 2^32 index boundary
+    blocks = -(-n // size)
+    keys = [key_int(v) for v in seed.reshape(-1).tolist()]
+    thresh, factor = threshold(p), scale(p)
+    base = torch.arange(min(size, n), dtype=torch.int32)
+
+    def body(i, _, buf):
+        g, start = divmod(i, blocks)
+        start *= size
+        m = min(size, n - start)
+        v, t = buf.get("v", 1, torch.int32)[0, :m], buf.get("t", 1, torch.int32)[0, :m]
+        keep = buf.get("keep", 1, torch.bool)[0, :m]
+        key = keys[g]
+        torch.add(base[:m], _i32(start & _M32), out=v)
+        v ^= _i32(mix_int(key ^ mix_int(start >> 32)))
+        _mix_(v, t)
+        v += _i32(key)
+        _mix_(v, t)
+        out = y[g, start : start + m]
+        torch.mul(flat[g, start : start + m], torch.ge(v, thresh, out=keep), out=out).mul_(factor)
+
+    if n:
+        _fast.parallel_chunks(len(keys) * blocks, (size,), torch.int32, body)
     return y.view(x.shape)
 
 

@@ -38,7 +38,7 @@ import triton.language as tl
 from .._errors import ShapeError
 from .._kernel import Kernel, Rowwise
 from ._common import as_rows, compute_dtype, tl_compute_dtype
-from ._fast import eager_cpu
+from ._fast import eager_cpu, parallel_chunks
 from ._triton import jit, next_power_of_2
 
 Tensor = torch.Tensor
@@ -335,6 +335,8 @@ def layer_norm_bwd_ref(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """PyTorch twin of :func:`layer_norm_bwd`."""
     acc = compute_dtype(x.dtype)
+    if eager_cpu(dy, x, weight):
+        return _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered_gamma)
     dy_a = dy.to(acc)
     dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "layer")
     return dx.to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype), _column_sums(dy_a).to(x.dtype)
@@ -343,8 +345,11 @@ def layer_norm_bwd_ref(
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
     """PyTorch twin of :func:`rms_norm`."""
     acc = compute_dtype(x.dtype)
+    gamma = _gamma(weight, zero_centered_gamma, acc)
+    if eager_cpu(x, weight) and _FUSED_RMS is not None:
+        return _FUSED_RMS(x, x.shape[-1:], gamma, eps)[0]  # fp32 statistics, one rounding
     xhat, _ = _normalize(x.to(acc), eps, "rms")
-    return (xhat * _gamma(weight, zero_centered_gamma, acc)).to(x.dtype)
+    return (xhat * gamma).to(x.dtype)
 
 
 def rms_norm_bwd_ref(
@@ -352,6 +357,9 @@ def rms_norm_bwd_ref(
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`rms_norm_bwd`."""
     acc = compute_dtype(x.dtype)
+    if eager_cpu(dy, x, weight):
+        dx, dw = _rms_bwd_fast(dy, x, _gamma(weight, zero_centered_gamma, acc), eps, "rms")
+        return dx, dw.to(weight.dtype)
     dy_a = dy.to(acc)
     dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "rms")
     return dx.to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype)
@@ -359,13 +367,80 @@ def rms_norm_bwd_ref(
 
 def l2_normalize_ref(x: Tensor, eps: float) -> Tensor:
     """PyTorch twin of :func:`l2_normalize`."""
-    return _normalize(x.to(compute_dtype(x.dtype)), eps, "l2")[0].to(x.dtype)
+    acc = compute_dtype(x.dtype)
+    if eager_cpu(x) and _FUSED_RMS is not None and x.numel():
+        # x/√(Σx² + eps) = x/√(mean(x²) + eps/N) · 1/√N: the fused RMSNorm with γ = 1/√N.
+        n = x.shape[-1]
+        return _FUSED_RMS(x, x.shape[-1:], torch.full((n,), n**-0.5, dtype=acc), eps / n)[0]
+    return _normalize(x.to(acc), eps, "l2")[0].to(x.dtype)
 
 
 def l2_normalize_bwd_ref(dy: Tensor, x: Tensor, eps: float) -> Tensor:
     """PyTorch twin of :func:`l2_normalize_bwd`."""
+    if eager_cpu(dy, x):
+        return _rms_bwd_fast(dy, x, None, eps, "l2")[0]
     acc = compute_dtype(x.dtype)
     return _grads(dy.to(acc), x.to(acc), None, eps, "l2")[0].to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- CPU fast path
+#
+# The backward formulas on cache-sized row chunks (see functe.kernels._fast);
+# dγ/dβ are per-chunk fp32 partial sums added in chunk order.
+
+_FUSED_RMS = getattr(torch.ops.aten, "_fused_rms_norm", None)
+
+
+def _reduce_partials(parts: list[Tensor], n_cols: int, acc: torch.dtype) -> Tensor:
+    return torch.stack(parts).sum(0) if parts else torch.zeros(n_cols, dtype=acc)
+
+
+def _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered):
+    acc = compute_dtype(x.dtype)
+    rows, dy_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+    n_rows, n = rows.shape
+    gamma, beta = _gamma(weight, zero_centered, acc), torch.zeros(n, dtype=acc)
+    dx = torch.empty_like(rows)
+    dw_parts, db_parts = {}, {}
+
+    def body(i, sl, buf):
+        xt, g = buf.upcast("x", rows[sl]), buf.upcast("dy", dy_rows[sl])
+        var, mean = torch.var_mean(xt, -1, correction=0, keepdim=True)
+        dx_c, dw_parts[i], db_parts[i] = torch.ops.aten.native_layer_norm_backward(
+            g, xt, [n], mean, var.add_(eps).rsqrt_(), gamma, beta, [True, True, True]
+        )
+        dx[sl].copy_(dx_c)
+
+    count = parallel_chunks(n_rows, (n,), acc, body)
+    dw = _reduce_partials([dw_parts[i] for i in range(count)], n, acc).to(weight.dtype)
+    db = _reduce_partials([db_parts[i] for i in range(count)], n, acc).to(x.dtype)
+    return dx.view(x.shape), dw, db
+
+
+def _rms_bwd_fast(dy, x, gamma, eps, kind):
+    """``(dx, dγ in the compute dtype or None)`` of RMSNorm (γ given) or L2 normalization (γ None)."""
+    acc = compute_dtype(x.dtype)
+    rows, dy_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+    n_rows, n = rows.shape
+    dx = torch.empty_like(rows)
+    reduce = (lambda t: t.sum(-1, keepdim=True)) if kind == "l2" else (lambda t: t.mean(-1, keepdim=True))
+    dw_parts = {}
+
+    def body(i, sl, buf):
+        m = sl.stop - sl.start
+        xt, dyt = buf.upcast("x", rows[sl]), buf.upcast("dy", dy_rows[sl])
+        tmp, xhat = buf.get("tmp", m), buf.get("xhat", m)
+        r = reduce(torch.mul(xt, xt, out=tmp)).add_(eps).rsqrt_()
+        torch.mul(xt, r, out=xhat)
+        g = dyt if gamma is None else torch.mul(dyt, gamma, out=buf.get("g", m))
+        c = reduce(torch.mul(g, xhat, out=tmp))
+        dx[sl].copy_(torch.addcmul(g, xhat, c, value=-1.0, out=tmp).mul_(r))
+        if gamma is not None:
+            dw_parts[i] = torch.mul(dyt, xhat, out=tmp).sum(0)
+
+    count = parallel_chunks(n_rows, (n,), acc, body)
+    dw = None if gamma is None else _reduce_partials([dw_parts[i] for i in range(count)], n, acc)
+    return dx.view(x.shape), dw
 
 
 # Forward kernels batch over rows (γ, β are parameters); the backward kernels
