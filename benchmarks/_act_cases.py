@@ -205,7 +205,7 @@ def _kernel_launches(case: Case, args, dy):
     }
 
 
-def run_gpu(cases, shape, dtype, *, reps, device="cuda") -> str:
+def run_gpu(cases, shape, dtype, *, reps, device="cuda", compile_: bool = True) -> str:
     """Achieved bandwidth of each Triton kernel as a fraction of a device copy, and fwd+bwd vs torch.compile."""
     src = torch.empty(shape[0] * shape[1] * 4, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -226,11 +226,13 @@ def run_gpu(cases, shape, dtype, *, reps, device="cuda") -> str:
             t = bench(launch, warmup=3, reps=reps)
             lines.append(f"| {name} | {t * 1e3:.3f} | {nbytes / t / 1e9:.0f} | {nbytes / t / copy_bw:.2f} |")
         args, dy = make_inputs(case, shape, dtype, device=device)
-        torch._dynamo.reset()
-        impls = {"compile": torch.compile(case.torch), "eager": case.torch, "functe": case.functe}
+        impls = {"eager": case.torch, "functe": case.functe}
+        if compile_:
+            torch._dynamo.reset()
+            impls = {"compile": torch.compile(case.torch), **impls}
         rows.append((case.name, {k: bench(fwd_bwd(fn, args, dy), warmup=3, reps=reps) for k, fn in impls.items()}))
     title = f"GPU fwd+bwd, {shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')}"
-    return "\n".join(lines) + "\n\n" + table(title, rows, baseline="compile")
+    return "\n".join(lines) + "\n\n" + table(title, rows, baseline="compile" if compile_ else "eager")
 
 
 def run_overhead(cases, *, reps: int = 200) -> str:

@@ -11,12 +11,12 @@ tensors, no autograd recording, no ``torch.func`` transform, not compiling), a
 twin may instead evaluate the same formula, in the same precision, on
 cache-sized chunks of rows with ``out=`` and in-place ops.
 
-Chunks hold fewer than ATen's grain size (32768 elements), so each op runs
-inline on the calling thread, and :func:`parallel_chunks` spreads the chunks
-over ``torch.get_num_threads()`` Python threads (torch releases the GIL inside
-ops). Many small ops each opening an OpenMP parallel region would instead pay
-a barrier per op, which is ruinous when the machine is shared (a descheduled
-worker thread stalls every op by a scheduler tick).
+The chunks are spread over ``torch.get_num_threads()`` worker threads, each
+limited to one intra-op thread (a per-thread OpenMP setting), so an op on a
+chunk runs inline and torch releases the GIL while it computes. Many small
+ops each opening an OpenMP parallel region would instead pay a barrier per op,
+which is ruinous when the machine is shared (a descheduled thread stalls every
+op by a scheduler tick).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 
 Tensor = torch.Tensor
 
-CHUNK_ELEMENTS = 32768
-"""Elements per chunk: ATen's ``GRAIN_SIZE``, below which an op does not go parallel."""
+CHUNK_ELEMENTS = 1 << 17
+"""Elements per chunk: a few fp32 temporaries of this size stay in a core's L2 cache."""
 
 
 def eager_cpu(*tensors: Tensor | None) -> bool:
@@ -81,11 +81,15 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _single_threaded() -> None:
+    torch.set_num_threads(1)  # per thread: the caller's own setting is untouched
+
+
 def _executor(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers != workers:
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="functe-cpu")
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="functe-cpu", initializer=_single_threaded)
         return _pool
 
 
@@ -106,27 +110,19 @@ def parallel_chunks(
         row_elements *= d
     step = rows_per_chunk(row_elements)
     chunks = [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
-    if not chunks:
-        return 0
     threads = min(torch.get_num_threads(), len(chunks))
-    if row_elements > CHUNK_ELEMENTS:
-        threads = 1  # a single row already spans a chunk: its ops go parallel themselves
 
-    def work(first: int) -> None:
+    def work(first: int, stride: int) -> None:
         # Grad mode is thread-local (on in a fresh thread); the fast path records nothing.
         with torch.no_grad():
             scratch = Scratch(step, row_shape, dtype)
-            for i in range(first, len(chunks), threads):
+            for i in range(first, len(chunks), stride):
                 body(i, chunks[i], scratch)
 
-    if threads <= 1:
-        work(0)
-        return len(chunks)
-    pool = _executor(torch.get_num_threads() - 1)
-    futures = [pool.submit(work, t) for t in range(1, threads)]
-    try:
-        work(0)
-    finally:
-        for f in futures:
+    if threads <= 1 or row_elements > CHUNK_ELEMENTS:
+        work(0, 1)  # one chunk, one thread, or rows so long that each op is worth parallelising itself
+    else:
+        pool = _executor(torch.get_num_threads())
+        for f in [pool.submit(work, t, threads) for t in range(threads)]:
             f.result()
     return len(chunks)

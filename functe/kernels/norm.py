@@ -346,8 +346,8 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: boo
     """PyTorch twin of :func:`rms_norm`."""
     acc = compute_dtype(x.dtype)
     gamma = _gamma(weight, zero_centered_gamma, acc)
-    if eager_cpu(x, weight) and _FUSED_RMS is not None:
-        return _FUSED_RMS(x, x.shape[-1:], gamma, eps)[0]  # fp32 statistics, one rounding
+    if eager_cpu(x, weight):
+        return _rms_fwd_fast(x, gamma, eps, "rms")
     xhat, _ = _normalize(x.to(acc), eps, "rms")
     return (xhat * gamma).to(x.dtype)
 
@@ -367,12 +367,9 @@ def rms_norm_bwd_ref(
 
 def l2_normalize_ref(x: Tensor, eps: float) -> Tensor:
     """PyTorch twin of :func:`l2_normalize`."""
-    acc = compute_dtype(x.dtype)
-    if eager_cpu(x) and _FUSED_RMS is not None and x.numel():
-        # x/√(Σx² + eps) = x/√(mean(x²) + eps/N) · 1/√N: the fused RMSNorm with γ = 1/√N.
-        n = x.shape[-1]
-        return _FUSED_RMS(x, x.shape[-1:], torch.full((n,), n**-0.5, dtype=acc), eps / n)[0]
-    return _normalize(x.to(acc), eps, "l2")[0].to(x.dtype)
+    if eager_cpu(x):
+        return _rms_fwd_fast(x, None, eps, "l2")
+    return _normalize(x.to(compute_dtype(x.dtype)), eps, "l2")[0].to(x.dtype)
 
 
 def l2_normalize_bwd_ref(dy: Tensor, x: Tensor, eps: float) -> Tensor:
@@ -385,19 +382,41 @@ def l2_normalize_bwd_ref(dy: Tensor, x: Tensor, eps: float) -> Tensor:
 
 # ----------------------------------------------------------------------------- CPU fast path
 #
-# The backward formulas on cache-sized row chunks (see functe.kernels._fast);
-# dγ/dβ are per-chunk fp32 partial sums added in chunk order.
-
-_FUSED_RMS = getattr(torch.ops.aten, "_fused_rms_norm", None)
+# The same formulas on cache-sized row chunks (see functe.kernels._fast), with
+# two-pass statistics; dγ/dβ are per-chunk fp32 partial sums added in chunk order.
 
 
-def _reduce_partials(parts: list[Tensor], n_cols: int, acc: torch.dtype) -> Tensor:
-    return torch.stack(parts).sum(0) if parts else torch.zeros(n_cols, dtype=acc)
+def _reduce_partials(parts: dict[int, Tensor], count: int, n_cols: int, acc: torch.dtype) -> Tensor:
+    """Per-chunk partial sums added in chunk order (deterministic)."""
+    return torch.stack([parts[i] for i in range(count)]).sum(0) if count else torch.zeros(n_cols, dtype=acc)
+
+
+def _rstd(xt: Tensor, kind: str, eps: float, centered: Tensor | None = None) -> Tensor:
+    """1/√(mean or sum of squares + eps) per row, two-pass for LayerNorm (``centered`` = x − mean)."""
+    sq = torch.linalg.vector_norm(xt if centered is None else centered, dim=-1, keepdim=True).square_()
+    return (sq if kind == "l2" else sq.div_(xt.shape[-1])).add_(eps).rsqrt_()
+
+
+def _rows(*tensors: Tensor) -> list[Tensor]:
+    return [t.reshape(-1, t.shape[-1]) for t in tensors]
+
+
+def _rms_fwd_fast(x, gamma, eps, kind):
+    rows, y = x.reshape(-1, x.shape[-1]), torch.empty(x.shape, dtype=x.dtype)
+    y_rows = y.view(rows.shape)
+
+    def body(_, sl, buf):
+        xt = buf.upcast("x", rows[sl])
+        out = torch.mul(xt, _rstd(xt, kind, eps), out=buf.get("out", sl.stop - sl.start))
+        y_rows[sl].copy_(out if gamma is None else out.mul_(gamma))
+
+    parallel_chunks(rows.shape[0], rows.shape[1:], compute_dtype(x.dtype), body)
+    return y
 
 
 def _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered):
     acc = compute_dtype(x.dtype)
-    rows, dy_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+    rows, dy_rows = _rows(x, dy)
     n_rows, n = rows.shape
     gamma, beta = _gamma(weight, zero_centered, acc), torch.zeros(n, dtype=acc)
     dx = torch.empty_like(rows)
@@ -405,22 +424,22 @@ def _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered):
 
     def body(i, sl, buf):
         xt, g = buf.upcast("x", rows[sl]), buf.upcast("dy", dy_rows[sl])
-        var, mean = torch.var_mean(xt, -1, correction=0, keepdim=True)
+        mean = xt.mean(-1, keepdim=True)
+        rstd = _rstd(xt, "layer", eps, torch.sub(xt, mean, out=buf.get("centered", sl.stop - sl.start)))
         dx_c, dw_parts[i], db_parts[i] = torch.ops.aten.native_layer_norm_backward(
-            g, xt, [n], mean, var.add_(eps).rsqrt_(), gamma, beta, [True, True, True]
+            g, xt, [n], mean, rstd, gamma, beta, [True, True, True]
         )
         dx[sl].copy_(dx_c)
 
     count = parallel_chunks(n_rows, (n,), acc, body)
-    dw = _reduce_partials([dw_parts[i] for i in range(count)], n, acc).to(weight.dtype)
-    db = _reduce_partials([db_parts[i] for i in range(count)], n, acc).to(x.dtype)
-    return dx.view(x.shape), dw, db
+    dw = _reduce_partials(dw_parts, count, n, acc).to(weight.dtype)
+    return dx.view(x.shape), dw, _reduce_partials(db_parts, count, n, acc).to(x.dtype)
 
 
 def _rms_bwd_fast(dy, x, gamma, eps, kind):
     """``(dx, dγ in the compute dtype or None)`` of RMSNorm (γ given) or L2 normalization (γ None)."""
     acc = compute_dtype(x.dtype)
-    rows, dy_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+    rows, dy_rows = _rows(x, dy)
     n_rows, n = rows.shape
     dx = torch.empty_like(rows)
     reduce = (lambda t: t.sum(-1, keepdim=True)) if kind == "l2" else (lambda t: t.mean(-1, keepdim=True))
@@ -429,9 +448,8 @@ def _rms_bwd_fast(dy, x, gamma, eps, kind):
     def body(i, sl, buf):
         m = sl.stop - sl.start
         xt, dyt = buf.upcast("x", rows[sl]), buf.upcast("dy", dy_rows[sl])
-        tmp, xhat = buf.get("tmp", m), buf.get("xhat", m)
-        r = reduce(torch.mul(xt, xt, out=tmp)).add_(eps).rsqrt_()
-        torch.mul(xt, r, out=xhat)
+        tmp, r = buf.get("tmp", m), _rstd(xt, kind, eps)
+        xhat = torch.mul(xt, r, out=buf.get("xhat", m))
         g = dyt if gamma is None else torch.mul(dyt, gamma, out=buf.get("g", m))
         c = reduce(torch.mul(g, xhat, out=tmp))
         dx[sl].copy_(torch.addcmul(g, xhat, c, value=-1.0, out=tmp).mul_(r))
@@ -439,7 +457,7 @@ def _rms_bwd_fast(dy, x, gamma, eps, kind):
             dw_parts[i] = torch.mul(dyt, xhat, out=tmp).sum(0)
 
     count = parallel_chunks(n_rows, (n,), acc, body)
-    dw = None if gamma is None else _reduce_partials([dw_parts[i] for i in range(count)], n, acc)
+    dw = None if gamma is None else _reduce_partials(dw_parts, count, n, acc)
     return dx.view(x.shape), dw
 
 
