@@ -47,7 +47,7 @@ NAMES: tuple[str, ...] = (*ACTIVATIONS, *GATED, CLAMPED)
 """Every activation name the kernels accept."""
 
 
-def describe(name: str) -> tuple[int, bool, bool]:
+def spec(name: str) -> tuple[int, bool, bool]:
     """``(activation id, gated, clamped)`` of an activation name (see :data:`NAMES`)."""
     if name in ACTIVATIONS:
         return ACTIVATIONS[name], False, False
@@ -60,7 +60,7 @@ def describe(name: str) -> tuple[int, bool, bool]:
 
 def is_gated(name: str) -> bool:
     """Whether ``name`` maps a last dimension of 2H to H."""
-    return describe(name)[1]
+    return spec(name)[1]
 
 
 # ----------------------------------------------------------------------------- Triton device functions
@@ -212,7 +212,7 @@ def _out_cols(name: str, in_cols: int) -> int:
 
 def _launch(kernel, dy, x, s, name, interleave, limit, alpha, offset):
     """Shared launcher: forward when ``dy`` is None, else backward. Returns (out rows, ds or None)."""
-    act, gated, clamped = describe(name)
+    act, gated, clamped = spec(name)
     rows = as_rows(x)
     n_rows, in_cols = rows.shape
     n_out = _out_cols(name, in_cols)
@@ -317,7 +317,7 @@ def _halves(x: Tensor, interleave: int) -> tuple[Tensor, Tensor]:
 
 def _value(x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
     """``f(x)`` in x's (compute) dtype."""
-    _, gated, clamped = describe(name)
+    _, gated, clamped = spec(name)
     if not gated:
         return _act.act_fwd_ref(x, name)
     a, b = _halves(x, interleave)
@@ -330,7 +330,7 @@ def _value(x: Tensor, name: str, interleave: int, limit: float, alpha: float, of
 
 def _vjp(g: Tensor, x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
     """``g * f'(x)`` in x's (compute) dtype, in x's layout."""
-    _, gated, clamped = describe(name)
+    _, gated, clamped = spec(name)
     if not gated:
         return g * _act.act_grad_ref(x, name)
     a, b = _halves(x, interleave)
@@ -485,7 +485,7 @@ def _fast_relu_backward(dy: Tensor, x: Tensor, name: str) -> Tensor:
 
 
 def _fast_forward(x, s, name, interleave, limit, alpha, offset) -> Tensor:
-    _, gated, clamped = describe(name)
+    _, gated, clamped = spec(name)
     base = GATED.get(name, name)
     a, b = _lanes(x, name, interleave)
     n_rows, blocks, k = a.shape
@@ -510,7 +510,7 @@ def _fast_forward(x, s, name, interleave, limit, alpha, offset) -> Tensor:
 
 
 def _fast_backward(dy, x, s, name, interleave, limit, alpha, offset) -> tuple[Tensor, Tensor | None]:
-    _, gated, clamped = describe(name)
+    _, gated, clamped = spec(name)
     base = GATED.get(name, name)
     a, b = _lanes(x, name, interleave)
     n_rows, blocks, k = a.shape
