@@ -49,6 +49,7 @@ from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 Tensor = torch.Tensor
 
 _IN, _OUT, _NEW, _CONST = 0, 1, 2, 3
+_VARARGS = inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
 
 # While ``functe.trace`` runs a function, the recorder that turns an op call on
 # traced values into an equation of the op list (see functe._trace); ``None``
@@ -302,7 +303,13 @@ def _make_function(
     # The staticmethods close over plain functions and values only: Dynamo
     # cannot rebuild arbitrary objects (such as the CustomVJP) inside the
     # autograd.Function it traces.
-    def forward(call, *leaves):
+    def forward(*args):
+        # When no input requires grad, Dynamo calls forward with a ctx in front
+        # unless the parameter count matches the arguments, which it cannot for
+        # ``*leaves``; the ctx is dropped here (eager autograd never passes one).
+        if not isinstance(args[0], _Call):
+            args = args[1:]
+        call, leaves = args[0], args[1:]
         out_leaves, new, layout = _run_forward(name, fwd, call, leaves)
         return (*out_leaves, *new, layout)
 
@@ -390,9 +397,9 @@ def _make_function(
         out_dims = (*(None if o is None else 0 for o in out_leaves), *([0] * len(new)), None)
         return outputs, out_dims
 
-    # Function.apply binds the arguments to forward's signature on every call;
-    # a precomputed __signature__ spares inspect.signature its parsing (~9 us a call).
-    forward.__signature__ = inspect.signature(forward)
+    # Function.apply binds its arguments with inspect.signature(forward) on every
+    # call; a precomputed signature makes that lookup free.
+    forward.__signature__ = _VARARGS
     methods = {
         "forward": staticmethod(forward),
         "setup_context": staticmethod(setup_context),

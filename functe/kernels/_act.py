@@ -115,18 +115,25 @@ def act_grad(x, ACT: tl.constexpr):
 
 
 @jit
+def _clamp_halves(a, b, limit, offset):
+    """(min(a, limit), clamp(b, ±limit) + offset), written with ``where`` so that NaN
+    propagates as in ``torch.clamp`` (``tl.minimum``/``tl.maximum`` would drop it)."""
+    a_c = tl.where(a > limit, limit, a)
+    b_c = tl.where(b > limit, limit, tl.where(b < -limit, -limit, b)) + offset
+    return a_c, b_c
+
+
+@jit
 def clamped_swiglu_fwd(a, b, limit, alpha, offset):
     """GPT-OSS SwiGLU: min(a, limit)·σ(α·min(a, limit))·(clamp(b, ±limit) + offset)."""
-    a_c = tl.minimum(a, limit)
-    b_c = tl.minimum(tl.maximum(b, -limit), limit) + offset
+    a_c, b_c = _clamp_halves(a, b, limit, offset)
     return a_c * sigmoid(alpha * a_c) * b_c
 
 
 @jit
 def clamped_swiglu_grads(a, b, limit, alpha, offset):
     """(∂y/∂a, ∂y/∂b) of :func:`clamped_swiglu_fwd` (zero where the clamp is active)."""
-    a_c = tl.minimum(a, limit)
-    b_c = tl.minimum(tl.maximum(b, -limit), limit) + offset
+    a_c, b_c = _clamp_halves(a, b, limit, offset)
     s = sigmoid(alpha * a_c)
     da = tl.where(a <= limit, b_c * (s + alpha * a_c * s * (1.0 - s)), 0.0)
     db = tl.where((b >= -limit) & (b <= limit), a_c * s, 0.0)

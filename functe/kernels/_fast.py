@@ -1,0 +1,128 @@
+"""CPU fast paths for PyTorch twins.
+
+A twin has two jobs: it is the *reference* (differentiable, vmap- and
+fake-tensor-friendly, used for second derivatives and as a custom op's fake
+implementation) and it is the CPU *implementation* (what ``functe.ops`` runs on
+CPU tensors). The second job needs speed. Evaluated on whole tensors, a formula
+of several torch ops reads and writes memory once per op, and for bf16 inputs
+an fp32 evaluation adds an upcast pass and doubles the bytes of every
+temporary. So when nothing can observe how a result is computed (plain CPU
+tensors, no autograd recording, no ``torch.func`` transform, not compiling), a
+twin may instead evaluate the same formula, in the same precision, on
+cache-sized chunks of rows with ``out=`` and in-place ops.
+
+The chunks are spread over ``torch.get_num_threads()`` worker threads, each
+limited to one intra-op thread (a per-thread OpenMP setting), so an op on a
+chunk runs inline and torch releases the GIL while it computes. Many small
+ops each opening an OpenMP parallel region would instead pay a barrier per op,
+which is ruinous when the machine is shared (a descheduled thread stalls every
+op by a scheduler tick).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+Tensor = torch.Tensor
+
+CHUNK_ELEMENTS = 1 << 17
+"""Elements per chunk: a few fp32 temporaries of this size stay in a core's L2 cache."""
+
+
+def eager_cpu(*tensors: Tensor | None) -> bool:
+    """Whether a twin may take its CPU fast path for these arguments.
+
+    True for plain CPU tensors (not fake, not ``torch.func`` wrappers) that
+    autograd does not record, outside ``torch.compile``.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not Tensor or t.device.type != "cpu" or (grad and t.requires_grad):
+            return False
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+    return True
+
+
+def rows_per_chunk(row_elements: int) -> int:
+    """How many rows of ``row_elements`` elements make one chunk."""
+    return max(1, CHUNK_ELEMENTS // max(row_elements, 1))
+
+
+class Scratch:
+    """Reusable chunk buffers of one row shape and dtype, sliced to each chunk's rows."""
+
+    def __init__(self, rows: int, shape: tuple[int, ...], dtype: torch.dtype):
+        self.rows, self.shape, self.dtype = rows, shape, dtype
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, m: int, dtype: torch.dtype | None = None) -> Tensor:
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = self._buffers[name] = torch.empty((self.rows, *self.shape), dtype=dtype or self.dtype)
+        return buf[:m]
+
+    def upcast(self, name: str, t: Tensor) -> Tensor:
+        """``t`` in the compute dtype: itself if it already is, else a copy into a buffer."""
+        if t.dtype == self.dtype:
+            return t
+        return self.get(name, t.shape[0]).copy_(t)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _single_threaded() -> None:
+    torch.set_num_threads(1)  # per thread: the caller's own setting is untouched
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != workers:
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="functe-cpu", initializer=_single_threaded)
+        return _pool
+
+
+def parallel_chunks(
+    n_rows: int,
+    row_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    body: Callable[[int, slice, Scratch], None],
+) -> int:
+    """Call ``body(index, rows, scratch)`` for every chunk of rows; return the number of chunks.
+
+    Chunk ``index`` covers ``rows``; each thread has its own ``scratch``. The
+    chunking does not depend on the thread count, so a caller that reduces
+    per-chunk partial results in index order gets the same bits on any machine.
+    """
+    row_elements = 1
+    for d in row_shape:
+        row_elements *= d
+    step = rows_per_chunk(row_elements)
+    chunks = [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
+    threads = min(torch.get_num_threads(), len(chunks))
+
+    def work(first: int, stride: int) -> None:
+        # Grad mode is thread-local (on in a fresh thread); the fast path records nothing.
+        with torch.no_grad():
+            scratch = Scratch(step, row_shape, dtype)
+            for i in range(first, len(chunks), stride):
+                body(i, chunks[i], scratch)
+
+    if threads <= 1 or row_elements > CHUNK_ELEMENTS:
+        work(0, 1)  # one chunk, one thread, or rows so long that each op is worth parallelising itself
+    else:
+        pool = _executor(torch.get_num_threads())
+        for f in [pool.submit(work, t, threads) for t in range(threads)]:
+            f.result()
+    return len(chunks)

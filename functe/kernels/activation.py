@@ -1,0 +1,555 @@
+"""Activation kernels, forward and backward, elementwise and gated, optionally row-scaled.
+
+One Triton kernel per direction serves every activation: the activation is a
+``constexpr`` (so each one compiles to its own specialisation) and so are the
+gated layout and the presence of a row scale. The math comes from
+:mod:`functe.kernels._act` (TransformerEngine's formulas).
+
+=====================  =====================================================
+kernel                 computes
+=====================  =====================================================
+``ACTIVATION``         ``y = f(x)``
+``ACTIVATION_SCALED``  ``y = s[..., None] * f(x)``
+``DACTIVATION``        ``dx = dy * f'(x)`` (the vector-Jacobian product)
+``DACTIVATION_SCALED`` ``dx = s * dy * f'(x)`` and ``ds = sum_last(dy * f(x))``
+=====================  =====================================================
+
+``f`` is named by a string: an elementwise activation (``ACTIVATIONS``), a
+gated one (``GATED``: last dim ``2H -> H``, ``f`` applied to the *first* half
+and multiplied by the second) or ``"clamped_swiglu"`` (GPT-OSS; parameters
+``limit``, ``alpha``, ``offset``). ``interleave = k > 0`` selects the
+block-interleaved gated layout ``[a(k), b(k), a(k), b(k), ...]``
+(TransformerEngine's ``glu_interleave_size``); the kernels handle it with index
+arithmetic and the twins with views, so nothing is de-interleaved in memory.
+
+``ds`` is reduced in fp32: each column block writes a partial sum per row and
+the launcher adds the partials (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .._kernel import Kernel, Rowwise
+from . import _act
+from ._act import ACTIVATIONS, GATED
+from ._common import as_rows, compute_dtype, tl_compute_dtype
+from ._fast import eager_cpu, parallel_chunks
+from ._triton import jit, next_power_of_2
+
+Tensor = torch.Tensor
+
+CLAMPED = "clamped_swiglu"
+NAMES: tuple[str, ...] = (*ACTIVATIONS, *GATED, CLAMPED)
+"""Every activation name the kernels accept."""
+
+
+def spec(name: str) -> tuple[int, bool, bool]:
+    """``(activation id, gated, clamped)`` of an activation name (see :data:`NAMES`)."""
+    if name in ACTIVATIONS:
+        return ACTIVATIONS[name], False, False
+    if name in GATED:
+        return ACTIVATIONS[GATED[name]], True, False
+    if name == CLAMPED:
+        return ACTIVATIONS["silu"], True, True
+    raise KeyError(f"unknown activation {name!r}; known: {', '.join(NAMES)}")
+
+
+def is_gated(name: str) -> bool:
+    """Whether ``name`` maps a last dimension of 2H to H."""
+    return spec(name)[1]
+
+
+# ----------------------------------------------------------------------------- Triton device functions
+
+
+@jit
+def gated_columns(cols, n_out, k, INTERLEAVED: tl.constexpr):
+    """Input columns of the activated half (a) and the linear half (b) for output columns ``cols``.
+
+    Chunked layout: a = x[:, :H], b = x[:, H:]. Interleaved with block ``k``:
+    output column j lives in block j // k, whose a-part starts at 2k(j // k).
+    """
+    if INTERLEAVED:
+        a_cols = (cols // k) * (2 * k) + cols % k
+        b_cols = a_cols + k
+    else:
+        a_cols = cols
+        b_cols = cols + n_out
+    return a_cols, b_cols
+
+
+@jit
+def gated_fwd(a, b, limit, alpha, offset, ACT: tl.constexpr, CLAMPED_: tl.constexpr):
+    """f(a)·b, or the clamped SwiGLU of (a, b)."""
+    if CLAMPED_:
+        y = _act.clamped_swiglu_fwd(a, b, limit, alpha, offset)
+    else:
+        y = _act.act_fwd(a, ACT) * b
+    return y
+
+
+@jit
+def gated_grads(a, b, limit, alpha, offset, ACT: tl.constexpr, CLAMPED_: tl.constexpr):
+    """(∂y/∂a, ∂y/∂b) of :func:`gated_fwd`."""
+    if CLAMPED_:
+        da, db = _act.clamped_swiglu_grads(a, b, limit, alpha, offset)
+    else:
+        da = _act.act_grad(a, ACT) * b
+        db = _act.act_fwd(a, ACT)
+    return da, db
+
+
+@jit
+def _tile(pid, n_rows, n_out, n_col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # A 1-D grid (axis 0 allows 2^31 programs; axes 1-2 only 65535) split into row and column blocks.
+    rows = (pid // n_col_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (pid % n_col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_out)[None, :]
+    return rows, cols, row_mask, mask
+
+
+@jit
+def _act_kernel(
+    X,
+    S,
+    Y,
+    n_rows,
+    n_out,
+    in_cols,
+    k,
+    limit,
+    alpha,
+    offset,
+    n_col_blocks,
+    ACT: tl.constexpr,
+    GATED_: tl.constexpr,
+    CLAMPED_: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    rows, cols, row_mask, mask = _tile(tl.program_id(0), n_rows, n_out, n_col_blocks, BLOCK_R, BLOCK_C)
+    x_row = X + rows[:, None] * in_cols
+    if GATED_:
+        a_cols, b_cols = gated_columns(cols, n_out, k, INTERLEAVED)
+        a = tl.load(x_row + a_cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+        b = tl.load(x_row + b_cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+        y = gated_fwd(a, b, limit, alpha, offset, ACT, CLAMPED_)
+    else:
+        y = _act.act_fwd(tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(COMPUTE), ACT)
+    if HAS_S:
+        y = y * tl.load(S + rows, mask=row_mask, other=0.0).to(COMPUTE)[:, None]
+    tl.store(Y + rows[:, None] * n_out + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@jit
+def _dact_kernel(
+    DY,
+    X,
+    S,
+    DX,
+    DS_PARTIAL,
+    n_rows,
+    n_out,
+    in_cols,
+    k,
+    limit,
+    alpha,
+    offset,
+    n_col_blocks,
+    ACT: tl.constexpr,
+    GATED_: tl.constexpr,
+    CLAMPED_: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows, cols, row_mask, mask = _tile(pid, n_rows, n_out, n_col_blocks, BLOCK_R, BLOCK_C)
+    dy = tl.load(DY + rows[:, None] * n_out + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+    g = dy
+    if HAS_S:
+        g = dy * tl.load(S + rows, mask=row_mask, other=0.0).to(COMPUTE)[:, None]
+    x_row = X + rows[:, None] * in_cols
+    dx_row = DX + rows[:, None] * in_cols
+    if GATED_:
+        a_cols, b_cols = gated_columns(cols, n_out, k, INTERLEAVED)
+        a = tl.load(x_row + a_cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+        b = tl.load(x_row + b_cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+        da, db = gated_grads(a, b, limit, alpha, offset, ACT, CLAMPED_)
+        tl.store(dx_row + a_cols[None, :], (g * da).to(DX.dtype.element_ty), mask=mask)
+        tl.store(dx_row + b_cols[None, :], (g * db).to(DX.dtype.element_ty), mask=mask)
+        if HAS_S:
+            y = gated_fwd(a, b, limit, alpha, offset, ACT, CLAMPED_)
+    else:
+        x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+        tl.store(dx_row + cols[None, :], (g * _act.act_grad(x, ACT)).to(DX.dtype.element_ty), mask=mask)
+        if HAS_S:
+            y = _act.act_fwd(x, ACT)
+    if HAS_S:
+        partial = tl.sum(tl.where(mask, dy * y, 0.0), axis=1)
+        tl.store(DS_PARTIAL + (pid % n_col_blocks) * n_rows + rows, partial, mask=row_mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+_TILE_ELEMENTS = 4096
+
+
+def _out_cols(name: str, in_cols: int) -> int:
+    return in_cols // 2 if is_gated(name) else in_cols
+
+
+def _launch(kernel, dy, x, s, name, interleave, limit, alpha, offset):
+    """Shared launcher: forward when ``dy`` is None, else backward. Returns (out rows, ds or None)."""
+    act, gated, clamped = spec(name)
+    rows = as_rows(x)
+    n_rows, in_cols = rows.shape
+    n_out = _out_cols(name, in_cols)
+    block_c = min(next_power_of_2(n_out), 1024)
+    block_r = min(next_power_of_2(n_rows), max(1, _TILE_ELEMENTS // block_c))
+    n_col_blocks = triton.cdiv(n_out, block_c)
+    grid = (triton.cdiv(n_rows, block_r) * n_col_blocks,)
+    s_rows = None if s is None else s.contiguous().view(-1)
+    acc = compute_dtype(x.dtype)
+    interleaved = bool(interleave) and interleave != n_out
+    flags = dict(
+        ACT=act,
+        GATED_=gated,
+        CLAMPED_=clamped,
+        INTERLEAVED=interleaved,
+        HAS_S=s is not None,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        COMPUTE=tl_compute_dtype(x.dtype),
+    )
+    scalars = (n_rows, n_out, in_cols, interleave if interleaved else n_out, limit, alpha, offset, n_col_blocks)
+    if dy is None:
+        out = torch.empty((n_rows, n_out), dtype=x.dtype, device=x.device)
+        if out.numel():
+            kernel[grid](rows, rows if s_rows is None else s_rows, out, *scalars, **flags)
+        return out, None
+    dx = torch.empty_like(rows)
+    partial = None if s is None else torch.zeros((n_col_blocks, n_rows), dtype=acc, device=x.device)
+    if rows.numel():
+        dy_rows = dy.contiguous().view(n_rows, n_out)
+        kernel[grid](
+            dy_rows,
+            rows,
+            rows if s_rows is None else s_rows,
+            dx,
+            dx if partial is None else partial,
+            *scalars,
+            **flags,
+        )
+    ds = None if partial is None else partial.sum(0).to(s.dtype).view(s.shape)
+    return dx, ds
+
+
+def _y_shape(x: Tensor, name: str) -> tuple[int, ...]:
+    return (*x.shape[:-1], _out_cols(name, x.shape[-1])) if x.dim() else ()
+
+
+def activation(x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
+    """``f(x)`` for the activation ``name`` (``interleave`` 0: chunked gated layout)."""
+    y, _ = _launch(_act_kernel, None, x, None, name, interleave, limit, alpha, offset)
+    return y.view(_y_shape(x, name))
+
+
+def activation_scaled(
+    x: Tensor, s: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
+) -> Tensor:
+    """``s[..., None] * f(x)``; ``s`` has shape ``x.shape[:-1]``."""
+    y, _ = _launch(_act_kernel, None, x, s, name, interleave, limit, alpha, offset)
+    return y.view(_y_shape(x, name))
+
+
+def dactivation(dy: Tensor, x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
+    """``dx = dy * f'(x)`` (for gated f, the two halves' gradients in x's layout)."""
+    dx, _ = _launch(_dact_kernel, dy, x, None, name, interleave, limit, alpha, offset)
+    return dx.view(x.shape)
+
+
+def dactivation_scaled(
+    dy: Tensor, x: Tensor, s: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
+) -> tuple[Tensor, Tensor]:
+    """``(dx, ds)`` of ``y = s[..., None] * f(x)``: ``dx = s * dy * f'(x)``, ``ds = sum_last(dy * f(x))``."""
+    dx, ds = _launch(_dact_kernel, dy, x, s, name, interleave, limit, alpha, offset)
+    return dx.view(x.shape), ds
+
+
+# ----------------------------------------------------------------------------- PyTorch twins
+
+
+# Elementwise activations with a fused torch function that evaluates TE's formula
+# in fp32 (for any input dtype) and rounds once, as the kernel does.
+_NATIVE_FWD = {
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "relu": torch.relu,
+    "sigmoid": torch.sigmoid,
+}
+# Native backward functions: used where autograd does not record (silu_backward
+# has no derivative of its own), otherwise the differentiable formula runs.
+_NATIVE_DACT = {
+    "gelu": lambda dy, x: torch.ops.aten.gelu_backward(dy, x, approximate="tanh"),
+    "silu": torch.ops.aten.silu_backward,
+}
+
+
+def _halves(x: Tensor, interleave: int) -> tuple[Tensor, Tensor]:
+    """Views ``[..., H // k, k]`` of the activated and linear halves of ``x [..., 2H]``."""
+    h = x.shape[-1] // 2
+    k = interleave or h
+    blocks = x.unflatten(-1, (h // k, 2, k))
+    return blocks.select(-2, 0), blocks.select(-2, 1)
+
+
+def _value(x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
+    """``f(x)`` in x's (compute) dtype."""
+    _, gated, clamped = spec(name)
+    if not gated:
+        return _act.act_fwd_ref(x, name)
+    a, b = _halves(x, interleave)
+    if clamped:
+        y = _act.clamped_swiglu_fwd_ref(a, b, limit, alpha, offset)
+    else:
+        y = _act.act_fwd_ref(a, GATED[name]) * b
+    return y.flatten(-2)
+
+
+def _vjp(g: Tensor, x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
+    """``g * f'(x)`` in x's (compute) dtype, in x's layout."""
+    _, gated, clamped = spec(name)
+    if not gated:
+        return g * _act.act_grad_ref(x, name)
+    a, b = _halves(x, interleave)
+    g = g.unflatten(-1, a.shape[-2:])
+    if clamped:
+        da, db = _act.clamped_swiglu_grads_ref(a, b, limit, alpha, offset)
+    else:
+        base = GATED[name]
+        da, db = _act.act_grad_ref(a, base) * b, _act.act_fwd_ref(a, base)
+    return torch.stack([g * da, g * db], dim=-2).flatten(-3)
+
+
+def activation_ref(x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
+    """PyTorch twin of :func:`activation`."""
+    native = _NATIVE_FWD.get(name)
+    if native is not None:
+        return native(x)
+    if eager_cpu(x):
+        return _fast_forward(x, None, name, interleave, limit, alpha, offset)
+    return _value(x.to(compute_dtype(x.dtype)), name, interleave, limit, alpha, offset).to(x.dtype)
+
+
+def activation_scaled_ref(
+    x: Tensor, s: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
+) -> Tensor:
+    """PyTorch twin of :func:`activation_scaled`."""
+    if eager_cpu(x, s):
+        return _fast_forward(x, s, name, interleave, limit, alpha, offset)
+    acc = compute_dtype(x.dtype)
+    y = _value(x.to(acc), name, interleave, limit, alpha, offset) * s.to(acc)[..., None]
+    return y.to(x.dtype)
+
+
+def dactivation_ref(
+    dy: Tensor, x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
+) -> Tensor:
+    """PyTorch twin of :func:`dactivation`."""
+    if eager_cpu(dy, x):
+        native = _NATIVE_DACT.get(name)
+        if native is not None:
+            return native(dy, x)
+        if name in ("relu", "srelu"):
+            return _fast_relu_backward(dy, x, name)
+        return _fast_backward(dy, x, None, name, interleave, limit, alpha, offset)[0]
+    acc = compute_dtype(x.dtype)
+    return _vjp(dy.to(acc), x.to(acc), name, interleave, limit, alpha, offset).to(x.dtype)
+
+
+def dactivation_scaled_ref(
+    dy: Tensor, x: Tensor, s: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
+) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of :func:`dactivation_scaled`."""
+    if eager_cpu(dy, x, s):
+        return _fast_backward(dy, x, s, name, interleave, limit, alpha, offset)
+    acc = compute_dtype(x.dtype)
+    dy, xa = dy.to(acc), x.to(acc)
+    dx = _vjp(dy * s.to(acc)[..., None], xa, name, interleave, limit, alpha, offset)
+    ds = (dy * _value(xa, name, interleave, limit, alpha, offset)).sum(-1)
+    return dx.to(x.dtype), ds.to(s.dtype)
+
+
+# ----------------------------------------------------------------------------- CPU fast path
+#
+# The same formulas on cache-sized row chunks in the compute dtype, with in-place
+# and out= ops (see functe.kernels._fast). Used only where no autograd or
+# transform can observe it; the functions above are the reference.
+
+_aten = torch.ops.aten
+
+
+def _f_into(t: Tensor, name: str, out: Tensor) -> Tensor:
+    """``out ← f(t)`` (``t`` unchanged)."""
+    if name == "gelu":
+        _aten.gelu.out(t, approximate="tanh", out=out)
+    elif name == "silu":
+        _aten.silu.out(t, out=out)
+    elif name == "sigmoid":
+        torch.sigmoid(t, out=out)
+    elif name == "qgelu":
+        torch.mul(t, 1.702, out=out).sigmoid_().mul_(t)
+    else:  # relu, srelu; clamp keeps NaN
+        torch.clamp(t, min=0.0, out=out)
+        if name == "srelu":
+            out.square_()
+    return out
+
+
+def _vjp_into(g: Tensor, t: Tensor, name: str, out: Tensor, tmp: Tensor) -> Tensor:
+    """``out ← g·f'(t)`` (``out`` may be ``g``; ``tmp`` is scratch)."""
+    if name == "gelu":
+        _aten.gelu_backward.grad_input(g, t, approximate="tanh", grad_input=out)
+    elif name == "silu":
+        _aten.silu_backward.grad_input(g, t, grad_input=out)
+    elif name == "qgelu":  # qgelu'(x) = silu'(1.702x): TE's σ(z) + zσ(z)(1 − σ(z)) with z = 1.702x
+        _aten.silu_backward.grad_input(g, torch.mul(t, 1.702, out=tmp), grad_input=out)
+    elif name == "sigmoid":
+        _aten.sigmoid_backward.grad_input(g, torch.sigmoid(t, out=tmp), grad_input=out)
+    elif name == "relu":  # ceil(clamp(x, 0, 1)): 1 for x > 0, 0 for x <= 0, NaN for NaN
+        torch.mul(g, torch.clamp(t, 0.0, 1.0, out=tmp).ceil_(), out=out)
+    else:  # srelu: 2·relu(x)
+        torch.mul(g, torch.clamp(t, min=0.0, out=tmp), out=out).mul_(2.0)
+    return out
+
+
+def _clamped_into(a: Tensor, b: Tensor, limit: float, alpha: float, offset: float, out: Tensor, tmp: Tensor):
+    """``out ← a_c·σ(α·a_c)·(clamp(b, ±limit) + offset)``."""
+    a_c = torch.clamp(a, max=limit, out=tmp)
+    torch.mul(a_c, alpha, out=out).sigmoid_().mul_(a_c)
+    out.mul_(torch.clamp(b, -limit, limit, out=tmp).add_(offset))
+    return out
+
+
+def _clamped_vjp_into(g, a, b, limit, alpha, offset, da, db, tmp):
+    """``da ← g·∂y/∂a``, ``db ← g·∂y/∂b`` of the clamped SwiGLU (zero where a clamp is active)."""
+    a_c = torch.clamp(a, max=limit, out=tmp)
+    torch.mul(a_c, alpha, out=db).sigmoid_().mul_(a_c).mul_(g)  # g·a_c·σ(α·a_c)
+    db.masked_fill_(~((b >= -limit) & (b <= limit)), 0.0)
+    torch.clamp(b, -limit, limit, out=da).add_(offset).mul_(g)  # g·b_c
+    _aten.silu_backward.grad_input(da, a_c.mul_(alpha), grad_input=da)  # ·silu'(α·a_c), TE's da formula
+    da.masked_fill_(~(a <= limit), 0.0)
+
+
+def _lanes(x: Tensor, name: str, interleave: int) -> tuple[Tensor, Tensor | None]:
+    """Views ``[R, blocks, k]`` of the activated input and (gated) the linear half."""
+    rows = x.reshape(-1, x.shape[-1] if x.dim() else 1)
+    if not is_gated(name):
+        return rows.unsqueeze(1), None
+    h = rows.shape[1] // 2
+    k = interleave or h
+    blocks = rows.view(-1, h // k, 2, k)
+    return blocks.select(2, 0), blocks.select(2, 1)
+
+
+def _fast_relu_backward(dy: Tensor, x: Tensor, name: str) -> Tensor:
+    """relu/srelu ``dy·f'(x)`` in x's dtype: f'(x) is exact (0, 1 or 2·relu(x)), so the one
+    product rounds once, as in fp32 followed by a cast."""
+    if name == "relu":
+        # threshold_backward (x <= 0 ? 0 : dy) equals dy·relu'(x) unless x holds NaN or dy a
+        # non-finite value (then dy·0 is NaN): two cheap reductions decide.
+        if not torch.isnan(x.sum()) and torch.isfinite(dy.sum()):
+            return _aten.threshold_backward(dy, x, 0)
+        return dy * torch.clamp(x, 0.0, 1.0).ceil_()  # 1 for x > 0, 0 for x <= 0, NaN for NaN
+    rows, dy_rows = x.reshape(-1, x.shape[-1] if x.dim() else 1), dy.reshape(-1, x.shape[-1] if x.dim() else 1)
+    dx = torch.empty_like(rows)
+
+    def body(_, sl, buf):
+        tmp = buf.get("tmp", sl.stop - sl.start)
+        torch.mul(dy_rows[sl], torch.clamp(rows[sl], min=0.0, out=tmp), out=dx[sl]).mul_(2.0)
+
+    parallel_chunks(rows.shape[0], rows.shape[1:], x.dtype, body)
+    return dx.view(x.shape)
+
+
+def _fast_forward(x, s, name, interleave, limit, alpha, offset) -> Tensor:
+    _, gated, clamped = spec(name)
+    base = GATED.get(name, name)
+    a, b = _lanes(x, name, interleave)
+    n_rows, blocks, k = a.shape
+    y = torch.empty((n_rows, blocks, k), dtype=x.dtype)
+    s_rows = None if s is None else s.reshape(-1, 1, 1)
+
+    def body(_, sl, buf):
+        m = sl.stop - sl.start
+        ta, out = buf.upcast("a", a[sl]), buf.get("out", m)
+        if clamped:
+            _clamped_into(ta, buf.upcast("b", b[sl]), limit, alpha, offset, out, buf.get("tmp", m))
+        else:
+            _f_into(ta, base, out)
+            if gated:
+                out.mul_(b[sl])
+        if s_rows is not None:
+            out.mul_(s_rows[sl])
+        y[sl].copy_(out)
+
+    parallel_chunks(n_rows, (blocks, k), compute_dtype(x.dtype), body)
+    return y.view(_y_shape(x, name))
+
+
+def _fast_backward(dy, x, s, name, interleave, limit, alpha, offset) -> tuple[Tensor, Tensor | None]:
+    _, gated, clamped = spec(name)
+    base = GATED.get(name, name)
+    a, b = _lanes(x, name, interleave)
+    n_rows, blocks, k = a.shape
+    acc = compute_dtype(x.dtype)
+    dy_lanes = dy.reshape(n_rows, blocks, k)
+    dx = torch.empty((n_rows, blocks, 2 if gated else 1, k), dtype=x.dtype)
+    da, db = dx.select(2, 0), (dx.select(2, 1) if gated else None)
+    s_rows = None if s is None else s.reshape(-1, 1, 1)
+    ds = None if s is None else torch.empty(n_rows, dtype=acc)
+
+    def body(_, sl, buf):
+        m = sl.stop - sl.start
+        ta, g = buf.upcast("a", a[sl]), buf.upcast("g", dy_lanes[sl])
+        tb = None if b is None else buf.upcast("b", b[sl])
+        gs = g if s_rows is None else torch.mul(g, s_rows[sl], out=buf.get("gs", m))
+        out, tmp, value = buf.get("out", m), buf.get("tmp", m), buf.get("value", m)
+        if clamped:
+            _clamped_vjp_into(gs, ta, tb, limit, alpha, offset, out, value, tmp)
+            da[sl].copy_(out)
+            db[sl].copy_(value)
+            if ds is not None:
+                _clamped_into(ta, tb, limit, alpha, offset, value, tmp)
+        elif gated:
+            da[sl].copy_(_vjp_into(torch.mul(gs, tb, out=out), ta, base, out, tmp))
+            db[sl].copy_(torch.mul(_f_into(ta, base, value), gs, out=out))
+            if ds is not None:
+                value.mul_(tb)
+        else:
+            da[sl].copy_(_vjp_into(gs, ta, base, out, tmp))
+            if ds is not None:
+                _f_into(ta, base, value)
+        if ds is not None:
+            torch.sum(value.mul_(g), dim=(1, 2), out=ds[sl])
+
+    parallel_chunks(n_rows, (blocks, k), acc, body)
+    return dx.view(x.shape), (None if ds is None else ds.to(s.dtype).view(s.shape))
+
+
+ACTIVATION = Kernel("activation", activation, activation_ref, batch=Rowwise())
+ACTIVATION_SCALED = Kernel("activation_scaled", activation_scaled, activation_scaled_ref, batch=Rowwise())
+DACTIVATION = Kernel("dactivation", dactivation, dactivation_ref, batch=Rowwise())
+DACTIVATION_SCALED = Kernel("dactivation_scaled", dactivation_scaled, dactivation_scaled_ref, batch=Rowwise())

@@ -1,0 +1,472 @@
+"""Normalization kernels (LayerNorm, RMSNorm, L2 normalization), forward and backward.
+
+All three normalise each row of ``x [..., N]`` by a reciprocal standard
+deviation ``r`` computed in fp32 (fp64 for fp64 inputs):
+
+==================  ===============================  ==================================
+kind                x̂                                 r
+==================  ===============================  ==================================
+``layer``           (x − mean(x))·r                  1/√(mean((x − mean)²) + eps)
+``rms``             x·r                              1/√(mean(x²) + eps)
+``l2``              x·r                              1/√(Σx² + eps)
+==================  ===============================  ==================================
+
+then ``y = x̂·γ + β`` (γ → 1 + γ with ``zero_centered_gamma``). The backward
+kernels take only the inputs ``(dy, x, γ)``: they recompute mean and r from
+``x``, which they read anyway, so the ops keep no intermediate residuals and
+their second derivatives (through the twins) stay exact. With ``g = dy·γ``:
+
+    dx = r·(g − mean(g) − x̂·mean(g·x̂))      (layer; rms and l2 drop mean(g),
+                                              l2 uses sums instead of means)
+    dγ = Σ_rows dy·x̂,   dβ = Σ_rows dy
+
+``dγ`` and ``dβ`` are fp32 per-program partial sums over contiguous row ranges
+(a fixed number of programs, so the result does not depend on the device),
+reduced by one sum afterwards: deterministic, no atomics.
+
+The per-row math lives in the device functions :func:`normalize_rows` and
+:func:`norm_grads_rows`, so that fused kernels (norm + FP8 quantize) compute
+exactly the same thing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._errors import ShapeError
+from .._kernel import Kernel, Rowwise
+from ._common import as_rows, compute_dtype, tl_compute_dtype
+from ._fast import eager_cpu, parallel_chunks
+from ._triton import jit, next_power_of_2
+
+Tensor = torch.Tensor
+
+KINDS = ("layer", "rms", "l2")
+MAX_COLS = 65536
+"""Longest row the single-pass kernels hold in registers."""
+
+# ----------------------------------------------------------------------------- Triton device functions
+
+
+@jit
+def normalize_rows(x, mask, inv_n, eps, CENTER: tl.constexpr):
+    """``(x̂, r)`` of each row of the tile ``x [R, C]`` (masked lanes must hold 0).
+
+    ``inv_n`` is 1/N for means (layer, rms) or 1 for sums (l2); ``CENTER``
+    subtracts the row mean first (layer). Masked lanes of x̂ are 0.
+    """
+    if CENTER:
+        mean = tl.sum(x, axis=1) * inv_n
+        x = tl.where(mask, x - mean[:, None], 0.0)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+    xhat = tl.where(mask, x * r[:, None], 0.0)
+    return xhat, r
+
+
+@jit
+def norm_grads_rows(g, xhat, r, inv_n, CENTER: tl.constexpr):
+    """``dx`` of each row from ``g = dy·γ``, x̂ and r (see the module docstring)."""
+    c = tl.sum(g * xhat, axis=1) * inv_n
+    if CENTER:
+        g = g - (tl.sum(g, axis=1) * inv_n)[:, None]
+    return (g - xhat * c[:, None]) * r[:, None]
+
+
+@jit
+def _load_gamma(W, cols, col_mask, ZERO_CENTERED: tl.constexpr, COMPUTE: tl.constexpr):
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    return w
+
+
+@jit
+def _norm_fwd_kernel(
+    X,
+    W,
+    B,
+    Y,
+    n_rows,
+    n_cols,
+    inv_n,
+    eps,
+    CENTER: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    offs = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
+    y, _ = normalize_rows(x, mask, inv_n, eps, CENTER)
+    if HAS_W:
+        y = y * _load_gamma(W, cols, col_mask, ZERO_CENTERED, COMPUTE)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@jit
+def _norm_bwd_kernel(
+    DY,
+    X,
+    W,
+    DX,
+    DW_PARTIAL,
+    DB_PARTIAL,
+    n_rows,
+    n_cols,
+    inv_n,
+    eps,
+    tiles_per_program,
+    CENTER: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    # Program p handles the contiguous row tiles [p*T, (p+1)*T) and writes one
+    # row of dγ/dβ partial sums; the launcher reduces them.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_W:
+        w = _load_gamma(W, cols, col_mask, ZERO_CENTERED, COMPUTE)
+    dw = tl.zeros((BLOCK_N,), dtype=COMPUTE)
+    db = tl.zeros((BLOCK_N,), dtype=COMPUTE)
+    for t in range(0, tiles_per_program):
+        rows = (pid.to(tl.int64) * tiles_per_program + t) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        offs = rows[:, None] * n_cols + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(COMPUTE)
+        xhat, r = normalize_rows(x, mask, inv_n, eps, CENTER)
+        g = dy
+        if HAS_W:
+            g = dy * w[None, :]
+            dw += tl.sum(dy * xhat, axis=0)
+        if HAS_B:
+            db += tl.sum(dy, axis=0)
+        dx = norm_grads_rows(g, xhat, r, inv_n, CENTER)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_W:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
+    if HAS_B:
+        tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=col_mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+_TILE_ELEMENTS = 4096
+_PARTIAL_PROGRAMS = 256
+
+
+def _tiling(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    if n_cols > MAX_COLS:
+        raise ShapeError(f"functe norm kernels: rows of {n_cols} elements exceed the single-pass limit of {MAX_COLS}")
+    block_n = next_power_of_2(n_cols)
+    block_r = min(next_power_of_2(n_rows), max(1, _TILE_ELEMENTS // block_n))
+    warps = 4 if block_n < 2048 else 8 if block_n < 8192 else 16
+    return block_r, block_n, warps
+
+
+def _inv_n(kind: str, n_cols: int) -> float:
+    return 1.0 if kind == "l2" else 1.0 / max(n_cols, 1)
+
+
+def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, zero_centered: bool) -> Tensor:
+    rows = as_rows(x)
+    n_rows, n_cols = rows.shape
+    y = torch.empty_like(rows)
+    if rows.numel():
+        block_r, block_n, warps = _tiling(n_rows, n_cols)
+        _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            rows,
+            rows if w is None else w.contiguous(),
+            rows if b is None else b.contiguous(),
+            y,
+            n_rows,
+            n_cols,
+            _inv_n(kind, n_cols),
+            eps,
+            CENTER=kind == "layer",
+            HAS_W=w is not None,
+            HAS_B=b is not None,
+            ZERO_CENTERED=zero_centered,
+            BLOCK_R=block_r,
+            BLOCK_N=block_n,
+            COMPUTE=tl_compute_dtype(x.dtype),
+            num_warps=warps,
+        )
+    return y.view(x.shape)
+
+
+def _bwd(dy: Tensor, x: Tensor, w: Tensor | None, eps: float, kind: str, zero_centered: bool, has_b: bool):
+    """``(dx, dγ or None, dβ or None)``."""
+    rows = as_rows(x)
+    n_rows, n_cols = rows.shape
+    acc = compute_dtype(x.dtype)
+    dx = torch.empty_like(rows)
+    if n_rows == 0 or n_cols == 0:
+        zeros = torch.zeros(n_cols, dtype=x.dtype, device=x.device)
+        return dx.view(x.shape), (zeros if w is not None else None), (zeros.clone() if has_b else None)
+    block_r, block_n, warps = _tiling(n_rows, n_cols)
+    n_tiles = triton.cdiv(n_rows, block_r)
+    tiles_per_program = triton.cdiv(n_tiles, _PARTIAL_PROGRAMS)
+    programs = triton.cdiv(n_tiles, tiles_per_program)
+    dw_partial = torch.empty((programs, n_cols), dtype=acc, device=x.device) if w is not None else None
+    db_partial = torch.empty((programs, n_cols), dtype=acc, device=x.device) if has_b else None
+    _norm_bwd_kernel[(programs,)](
+        dy.contiguous().view(n_rows, n_cols),
+        rows,
+        rows if w is None else w.contiguous(),
+        dx,
+        dx if dw_partial is None else dw_partial,
+        dx if db_partial is None else db_partial,
+        n_rows,
+        n_cols,
+        _inv_n(kind, n_cols),
+        eps,
+        tiles_per_program,
+        CENTER=kind == "layer",
+        HAS_W=w is not None,
+        HAS_B=has_b,
+        ZERO_CENTERED=zero_centered,
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        COMPUTE=tl_compute_dtype(x.dtype),
+        num_warps=warps,
+    )
+    dw = None if dw_partial is None else dw_partial.sum(0).to(w.dtype)
+    db = None if db_partial is None else db_partial.sum(0).to(x.dtype)
+    return dx.view(x.shape), dw, db
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
+    """LayerNorm of the last dimension: ``(x − mean)·r·γ + β``."""
+    return _fwd(x, weight, bias, eps, "layer", zero_centered_gamma)
+
+
+def layer_norm_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dγ, dβ)`` of :func:`layer_norm` (β does not enter the gradients)."""
+    return _bwd(dy, x, weight, eps, "layer", zero_centered_gamma, True)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
+    """RMSNorm of the last dimension: ``x·r·γ``."""
+    return _fwd(x, weight, None, eps, "rms", zero_centered_gamma)
+
+
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> tuple[Tensor, Tensor]:
+    """``(dx, dγ)`` of :func:`rms_norm`."""
+    dx, dw, _ = _bwd(dy, x, weight, eps, "rms", zero_centered_gamma, False)
+    return dx, dw
+
+
+def l2_normalize(x: Tensor, eps: float) -> Tensor:
+    """``x / √(Σ_last x² + eps)``."""
+    return _fwd(x, None, None, eps, "l2", False)
+
+
+def l2_normalize_bwd(dy: Tensor, x: Tensor, eps: float) -> Tensor:
+    """``dx`` of :func:`l2_normalize`."""
+    return _bwd(dy, x, None, eps, "l2", False, False)[0]
+
+
+# ----------------------------------------------------------------------------- PyTorch twins
+
+
+def _gamma(w: Tensor, zero_centered: bool, acc: torch.dtype) -> Tensor:
+    w = w.to(acc)
+    return w + 1.0 if zero_centered else w
+
+
+def _normalize(x: Tensor, eps: float, kind: str) -> tuple[Tensor, Tensor]:
+    """``(x̂, r)`` in x's (compute) dtype; r keeps the reduced dimension."""
+    if kind == "layer":
+        x = x - x.mean(-1, keepdim=True)
+    sq = (x * x).sum(-1, keepdim=True) if kind == "l2" else (x * x).mean(-1, keepdim=True)
+    r = torch.rsqrt(sq + eps)
+    return x * r, r
+
+
+def _grads(dy: Tensor, x: Tensor, w: Tensor | None, eps: float, kind: str) -> tuple[Tensor, Tensor]:
+    """``(dx, x̂)`` in the compute dtype (w already the effective γ)."""
+    xhat, r = _normalize(x, eps, kind)
+    g = dy if w is None else dy * w
+    mean = (lambda t: t.sum(-1, keepdim=True)) if kind == "l2" else (lambda t: t.mean(-1, keepdim=True))
+    if kind == "layer":
+        g = g - mean(g)
+    return (g - xhat * mean(g * xhat)) * r, xhat
+
+
+def _column_sums(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1]).sum(0)
+
+
+def layer_norm_ref(x: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
+    """PyTorch twin of :func:`layer_norm`."""
+    acc = compute_dtype(x.dtype)
+    if eager_cpu(x, weight, bias):
+        # torch's fused LayerNorm computes in fp32 for low-precision inputs and
+        # rounds once; 1 + γ is formed in fp32 (torch accepts fp32 γ, β for bf16/fp16 x).
+        if zero_centered_gamma:
+            weight, bias = _gamma(weight, True, acc), bias.to(acc)
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    xhat, _ = _normalize(x.to(acc), eps, "layer")
+    return (xhat * _gamma(weight, zero_centered_gamma, acc) + bias.to(acc)).to(x.dtype)
+
+
+def layer_norm_bwd_ref(
+    dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PyTorch twin of :func:`layer_norm_bwd`."""
+    acc = compute_dtype(x.dtype)
+    if eager_cpu(dy, x, weight):
+        return _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered_gamma)
+    dy_a = dy.to(acc)
+    dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "layer")
+    return dx.to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype), _column_sums(dy_a).to(x.dtype)
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
+    """PyTorch twin of :func:`rms_norm`."""
+    acc = compute_dtype(x.dtype)
+    gamma = _gamma(weight, zero_centered_gamma, acc)
+    if eager_cpu(x, weight):
+        return _rms_fwd_fast(x, gamma, eps, "rms")
+    xhat, _ = _normalize(x.to(acc), eps, "rms")
+    return (xhat * gamma).to(x.dtype)
+
+
+def rms_norm_bwd_ref(
+    dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of :func:`rms_norm_bwd`."""
+    acc = compute_dtype(x.dtype)
+    if eager_cpu(dy, x, weight):
+        dx, dw = _rms_bwd_fast(dy, x, _gamma(weight, zero_centered_gamma, acc), eps, "rms")
+        return dx, dw.to(weight.dtype)
+    dy_a = dy.to(acc)
+    dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "rms")
+    return dx.to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype)
+
+
+def l2_normalize_ref(x: Tensor, eps: float) -> Tensor:
+    """PyTorch twin of :func:`l2_normalize`."""
+    if eager_cpu(x):
+        return _rms_fwd_fast(x, None, eps, "l2")
+    return _normalize(x.to(compute_dtype(x.dtype)), eps, "l2")[0].to(x.dtype)
+
+
+def l2_normalize_bwd_ref(dy: Tensor, x: Tensor, eps: float) -> Tensor:
+    """PyTorch twin of :func:`l2_normalize_bwd`."""
+    if eager_cpu(dy, x):
+        return _rms_bwd_fast(dy, x, None, eps, "l2")[0]
+    acc = compute_dtype(x.dtype)
+    return _grads(dy.to(acc), x.to(acc), None, eps, "l2")[0].to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- CPU fast path
+#
+# The same formulas on cache-sized row chunks (see functe.kernels._fast), with
+# two-pass statistics; dγ/dβ are per-chunk fp32 partial sums added in chunk order.
+
+
+def _reduce_partials(parts: dict[int, Tensor], count: int, n_cols: int, acc: torch.dtype) -> Tensor:
+    """Per-chunk partial sums added in chunk order (deterministic)."""
+    return torch.stack([parts[i] for i in range(count)]).sum(0) if count else torch.zeros(n_cols, dtype=acc)
+
+
+def _rstd(xt: Tensor, kind: str, eps: float, centered: Tensor | None = None) -> Tensor:
+    """1/√(mean or sum of squares + eps) per row, two-pass for LayerNorm (``centered`` = x − mean)."""
+    sq = torch.linalg.vector_norm(xt if centered is None else centered, dim=-1, keepdim=True).square_()
+    return (sq if kind == "l2" else sq.div_(xt.shape[-1])).add_(eps).rsqrt_()
+
+
+def _rows(*tensors: Tensor) -> list[Tensor]:
+    return [t.reshape(-1, t.shape[-1]) for t in tensors]
+
+
+def _rms_fwd_fast(x, gamma, eps, kind):
+    rows, y = x.reshape(-1, x.shape[-1]), torch.empty(x.shape, dtype=x.dtype)
+    y_rows = y.view(rows.shape)
+
+    def body(_, sl, buf):
+        xt = buf.upcast("x", rows[sl])
+        out = torch.mul(xt, _rstd(xt, kind, eps), out=buf.get("out", sl.stop - sl.start))
+        y_rows[sl].copy_(out if gamma is None else out.mul_(gamma))
+
+    parallel_chunks(rows.shape[0], rows.shape[1:], compute_dtype(x.dtype), body)
+    return y
+
+
+def _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered):
+    acc = compute_dtype(x.dtype)
+    rows, dy_rows = _rows(x, dy)
+    n_rows, n = rows.shape
+    gamma, beta = _gamma(weight, zero_centered, acc), torch.zeros(n, dtype=acc)
+    dx = torch.empty_like(rows)
+    dw_parts, db_parts = {}, {}
+
+    def body(i, sl, buf):
+        xt, g = buf.upcast("x", rows[sl]), buf.upcast("dy", dy_rows[sl])
+        mean = xt.mean(-1, keepdim=True)
+        rstd = _rstd(xt, "layer", eps, torch.sub(xt, mean, out=buf.get("centered", sl.stop - sl.start)))
+        dx_c, dw_parts[i], db_parts[i] = torch.ops.aten.native_layer_norm_backward(
+            g, xt, [n], mean, rstd, gamma, beta, [True, True, True]
+        )
+        dx[sl].copy_(dx_c)
+
+    count = parallel_chunks(n_rows, (n,), acc, body)
+    dw = _reduce_partials(dw_parts, count, n, acc).to(weight.dtype)
+    return dx.view(x.shape), dw, _reduce_partials(db_parts, count, n, acc).to(x.dtype)
+
+
+def _rms_bwd_fast(dy, x, gamma, eps, kind):
+    """``(dx, dγ in the compute dtype or None)`` of RMSNorm (γ given) or L2 normalization (γ None)."""
+    acc = compute_dtype(x.dtype)
+    rows, dy_rows = _rows(x, dy)
+    n_rows, n = rows.shape
+    dx = torch.empty_like(rows)
+    reduce = (lambda t: t.sum(-1, keepdim=True)) if kind == "l2" else (lambda t: t.mean(-1, keepdim=True))
+    dw_parts = {}
+
+    def body(i, sl, buf):
+        m = sl.stop - sl.start
+        xt, dyt = buf.upcast("x", rows[sl]), buf.upcast("dy", dy_rows[sl])
+        tmp, r = buf.get("tmp", m), _rstd(xt, kind, eps)
+        xhat = torch.mul(xt, r, out=buf.get("xhat", m))
+        g = dyt if gamma is None else torch.mul(dyt, gamma, out=buf.get("g", m))
+        c = reduce(torch.mul(g, xhat, out=tmp))
+        dx[sl].copy_(torch.addcmul(g, xhat, c, value=-1.0, out=tmp).mul_(r))
+        if gamma is not None:
+            dw_parts[i] = torch.mul(dyt, xhat, out=tmp).sum(0)
+
+    count = parallel_chunks(n_rows, (n,), acc, body)
+    dw = None if gamma is None else _reduce_partials(dw_parts, count, n, acc)
+    return dx.view(x.shape), dw
+
+
+# Forward kernels batch over rows (γ, β are parameters); the backward kernels
+# reduce over rows into dγ/dβ, so under vmap they run the vmapped twin, which
+# keeps one dγ per batch member.
+LAYER_NORM = Kernel("layer_norm", layer_norm, layer_norm_ref, batch=Rowwise(params=(1, 2)))
+LAYER_NORM_BWD = Kernel("layer_norm_bwd", layer_norm_bwd, layer_norm_bwd_ref)
+RMS_NORM = Kernel("rms_norm", rms_norm, rms_norm_ref, batch=Rowwise(params=(1,)))
+RMS_NORM_BWD = Kernel("rms_norm_bwd", rms_norm_bwd, rms_norm_bwd_ref)
+L2_NORMALIZE = Kernel("l2_normalize", l2_normalize, l2_normalize_ref, batch=Rowwise())
+L2_NORMALIZE_BWD = Kernel("l2_normalize_bwd", l2_normalize_bwd, l2_normalize_bwd_ref, batch=Rowwise())

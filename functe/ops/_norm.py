@@ -1,0 +1,130 @@
+"""Normalization ops: LayerNorm, RMSNorm and L2 normalization over the last dimension.
+
+The forward rules run the norm kernels; the backward rules run the matching
+backward kernels on the *inputs* (mean and reciprocal std are recomputed from
+``x``), so no intermediate result is kept and second derivatives are exact.
+``dγ`` and ``dβ`` are reduced in fp32, deterministically. See ``docs/activations.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._errors import check_same_device, check_same_dtype, check_tensor, describe_shape, shape_error
+from .._vjp import custom_vjp
+from ..kernels.norm import (
+    L2_NORMALIZE,
+    L2_NORMALIZE_BWD,
+    LAYER_NORM,
+    LAYER_NORM_BWD,
+    RMS_NORM,
+    RMS_NORM_BWD,
+)
+
+Tensor = torch.Tensor
+
+
+def _check(op: str, x: Tensor, params: dict[str, Tensor], eps) -> float:
+    check_tensor(op, "x", x)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise shape_error(op, "x", "a tensor [..., N] with N >= 1", x, "normalized over the last dimension")
+    n = x.shape[-1]
+    for arg, value in params.items():
+        check_tensor(op, arg, value)
+        if value.shape != (n,):
+            expected = describe_shape(x.dtype, (n,))
+            raise shape_error(op, arg, expected, value, f"one value per feature: x.shape[-1] = {n}")
+        check_same_dtype(op, arg, value, x, "x")
+    check_same_device(op, {"x": x, **params})
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"functe.{op}: argument 'eps' expected a finite Python number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def _layer_norm_fwd(x, weight, bias, *, eps, zero_centered_gamma):
+    return LAYER_NORM(x, weight, bias, eps, zero_centered_gamma), (x, weight)
+
+
+def _layer_norm_bwd(res, dy, *, eps, zero_centered_gamma):
+    x, weight = res
+    return LAYER_NORM_BWD(dy, x, weight, eps, zero_centered_gamma)
+
+
+_layer_norm = custom_vjp("layer_norm", _layer_norm_fwd, _layer_norm_bwd)
+
+
+def layer_norm(
+    x: Tensor, weight: Tensor, bias: Tensor, *, eps: float = 1e-5, zero_centered_gamma: bool = False
+) -> Tensor:
+    """LayerNorm over the last dimension: ``(x − mean)/√(var + eps)·γ + β`` (biased variance).
+
+    Args:
+        x: ``[..., N]``.
+        weight: γ, ``[N]``; with ``zero_centered_gamma`` the scale is ``1 + γ``
+            (formed in fp32), so a zero-initialised γ is the identity scale.
+        bias: β, ``[N]``.
+
+    Statistics and the result are computed in fp32 (fp64 for fp64 inputs) and
+    cast to x's dtype; ``dγ`` and ``dβ`` are fp32 reductions over all rows.
+
+    Example:
+        >>> import torch
+        >>> from functe import ops
+        >>> y = ops.layer_norm(torch.tensor([[1.0, 3.0]]), torch.ones(2), torch.zeros(2))
+        >>> [round(v, 4) for v in y[0].tolist()]
+        [-1.0, 1.0]
+    """
+    eps = _check("layer_norm", x, {"weight": weight, "bias": bias}, eps)
+    return _layer_norm(x, weight, bias, eps=eps, zero_centered_gamma=bool(zero_centered_gamma))
+
+
+def _rms_norm_fwd(x, weight, *, eps, zero_centered_gamma):
+    return RMS_NORM(x, weight, eps, zero_centered_gamma), (x, weight)
+
+
+def _rms_norm_bwd(res, dy, *, eps, zero_centered_gamma):
+    x, weight = res
+    return RMS_NORM_BWD(dy, x, weight, eps, zero_centered_gamma)
+
+
+_rms_norm = custom_vjp("rms_norm", _rms_norm_fwd, _rms_norm_bwd)
+
+
+def rms_norm(x: Tensor, weight: Tensor, *, eps: float = 1e-5, zero_centered_gamma: bool = False) -> Tensor:
+    """RMSNorm over the last dimension: ``x/√(mean(x²) + eps)·γ`` (γ -> 1 + γ if zero-centred).
+
+    Example:
+        >>> import torch
+        >>> from functe import ops
+        >>> y = ops.rms_norm(torch.tensor([[3.0, -4.0]]), torch.ones(2), eps=0.0)
+        >>> [round(v, 4) for v in y[0].tolist()]
+        [0.8485, -1.1314]
+    """
+    eps = _check("rms_norm", x, {"weight": weight}, eps)
+    return _rms_norm(x, weight, eps=eps, zero_centered_gamma=bool(zero_centered_gamma))
+
+
+def _l2_fwd(x, *, eps):
+    return L2_NORMALIZE(x, eps), x
+
+
+def _l2_bwd(x, dy, *, eps):
+    return (L2_NORMALIZE_BWD(dy, x, eps),)
+
+
+_l2_normalize = custom_vjp("l2_normalize", _l2_fwd, _l2_bwd)
+
+
+def l2_normalize(x: Tensor, *, eps: float = 1e-6) -> Tensor:
+    """``x/√(Σ_last x² + eps)`` (TransformerEngine's L2Normalization; no parameters).
+
+    Example:
+        >>> import torch
+        >>> from functe import ops
+        >>> ops.l2_normalize(torch.tensor([[3.0, 4.0]]), eps=0.0).tolist()
+        [[0.6000000238418579, 0.800000011920929]]
+    """
+    eps = _check("l2_normalize", x, {}, eps)
+    return _l2_normalize(x, eps=eps)

@@ -1,0 +1,220 @@
+"""Activation, norm and dropout kernels: Triton (interpreted) vs twin vs float64 on odd shapes and
+layouts, the twins' CPU fast path vs their reference path, determinism, and the benchmark GPU path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from act_helpers import UNARY, clamped_swiglu, deinterleave, gated
+from act_helpers import l2_normalize as l2_ref
+from act_helpers import layer_norm as ln_ref
+from act_helpers import rms_norm as rms_ref
+from helpers import F64, FLOATS, check_kernel, make
+
+import functe
+from functe.kernels import _fast
+from functe.kernels import activation as ak
+from functe.kernels import dropout as dk
+from functe.kernels import norm as nk
+from functe.testing import assert_close
+
+EW_SHAPES = [(), (1,), (3, 1), (37,), (2, 13), (32, 1, 32), (0, 13), (5, 1100)]
+GATED_SHAPES = [(2,), (3, 2), (74,), (2, 26), (32, 1, 64), (0, 26), (3, 2200)]
+
+
+def _ref_value(x, name, k):
+    if name == "clamped_swiglu":
+        return clamped_swiglu(x, 7.0, 1.702, 1.0, k)
+    if ak.is_gated(name):
+        return gated(name, x, k)
+    return UNARY[name](x)
+
+
+def _ref_all(name, k):
+    """Float64 references of the four activation kernels, by autograd of the forward formula."""
+
+    def value(x, *_):
+        return _ref_value(x, name, k or None)
+
+    def vjp(dy, x, s=None):
+        x = x.clone().requires_grad_()
+        y = value(x)
+        (dx,) = torch.autograd.grad(y, x, dy * (1 if s is None else s[..., None]))
+        return dx
+
+    return value, vjp
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, F64])
+@pytest.mark.parametrize("name", ak.NAMES)
+def test_activation_kernels_on_odd_shapes(name, dtype):
+    gated_ = ak.is_gated(name)
+    for shape in GATED_SHAPES if gated_ else EW_SHAPES:
+        k = 1 if gated_ and shape[-1] % 4 else (2 if gated_ else 0)  # exercise the interleaved layout too
+        for interleave in (0, k) if gated_ else (0,):
+            x = make(shape, dtype)
+            value, vjp = _ref_all(name, interleave)
+            args = (name, interleave, 7.0, 1.702, 1.0)
+            y_shape = ak._y_shape(x, name)
+            dy = make(y_shape, dtype)
+            check_kernel(ak.ACTIVATION, (x, *args), lambda x, *a, value=value: value(x))
+            check_kernel(ak.DACTIVATION, (dy, x, *args), lambda dy, x, *a, vjp=vjp: vjp(dy, x))
+            if x.dim():
+                s = make(shape[:-1], dtype)
+                check_kernel(ak.ACTIVATION_SCALED, (x, s, *args), lambda x, s, *a, value=value: value(x) * s[..., None])
+                # ds is a row sum: compare only on normal-sized rows (the tolerance table is elementwise)
+                if dtype in (torch.float32, F64):
+                    check_kernel(
+                        ak.DACTIVATION_SCALED,
+                        (dy, x, s, *args),
+                        lambda dy, x, s, *a, vjp=vjp, value=value: (vjp(dy, x, s), (dy * value(x)).sum(-1)),
+                    )
+
+
+def test_kernels_take_non_contiguous_and_stride0_inputs():
+    x = make((26, 6), torch.float32).t()  # (6, 26)
+    dy = make((13,), torch.float32).expand(6, 13)  # stride 0, as the gradient of .sum() arrives
+    args = ("swiglu", 0, 7.0, 1.702, 1.0)
+    value, vjp = _ref_all("swiglu", 0)
+    check_kernel(ak.ACTIVATION, (x, *args), lambda x, *a: value(x))
+    check_kernel(ak.DACTIVATION, (dy, x, *args), lambda dy, x, *a: vjp(dy, x))
+    w = make((52,), torch.float32)[::2]
+    check_kernel(nk.RMS_NORM, (x, w, 1e-5, False), rms_ref)
+    check_kernel(
+        nk.RMS_NORM_BWD,
+        (make((26,), torch.float32).expand(6, 26), x, w, 1e-5, False),
+        lambda dy, x, w, eps, zc: torch.autograd.grad(rms_ref(x.requires_grad_(), w.requires_grad_(), eps), (x, w), dy),
+    )
+    y = make((100,), torch.float32)[::3]
+    with functe.use_backend("interpret"):
+        triton_y = dk.dropout(y, torch.tensor(5), 0.5)
+    assert torch.equal(triton_y, dk.dropout_ref(y, torch.tensor(5), 0.5))
+
+
+def test_norm_kernels_reject_rows_beyond_the_single_pass_limit():
+    x = torch.zeros(1, nk.MAX_COLS + 1)
+    with functe.use_backend("interpret"), pytest.raises(functe.ShapeError, match=r"single-pass limit of 65536"):
+        nk.l2_normalize(x, 1e-6)
+
+
+# ----------------------------------------------------------------------------- fast path vs reference path
+
+
+def _both_paths(kernel, args):
+    """The twin's CPU fast path (plain tensors) and its reference path (inputs requiring grad)."""
+    fast = kernel.twin(*args)
+    tracked = [
+        a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        for a in args
+    ]
+    ref = kernel.twin(*tracked)
+    fast = fast if isinstance(fast, tuple) else (fast,)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    return fast, tuple(r.detach() for r in ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_matches_reference_path_across_many_chunks(dtype, monkeypatch):
+    """Tiny chunks: many chunks per call, a partial last chunk, several threads."""
+    monkeypatch.setattr(_fast, "CHUNK_ELEMENTS", 64)
+    x, s = make((37, 24), dtype), make((37,), dtype)
+    dy_g, dy = make((37, 12), dtype), make((37, 24), dtype)
+    w = make((24,), dtype)
+    cases = [
+        (ak.DACTIVATION, (dy, x, "relu", 0, 0.0, 0.0, 0.0)),
+        (ak.DACTIVATION, (dy, x, "srelu", 0, 0.0, 0.0, 0.0)),
+        (nk.LAYER_NORM_BWD, (dy, x, w, 1e-5, True)),
+        (nk.RMS_NORM, (x, w, 0.3, False)),
+        (nk.RMS_NORM_BWD, (dy, x, w, 0.3, True)),
+        (nk.L2_NORMALIZE, (x, 1e-6)),
+        (nk.L2_NORMALIZE_BWD, (dy, x, 1e-6)),
+    ]
+    for name in ("qgelu", "sigmoid", "srelu"):
+        cases += [
+            (ak.ACTIVATION, (x, name, 0, 0.0, 0.0, 0.0)),
+            (ak.ACTIVATION_SCALED, (x, s, name, 0, 0.0, 0.0, 0.0)),
+            (ak.DACTIVATION, (dy, x, name, 0, 0.0, 0.0, 0.0)),
+            (ak.DACTIVATION_SCALED, (dy, x, s, name, 0, 0.0, 0.0, 0.0)),
+        ]
+    for name in ("glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"):
+        for k in (0, 3):
+            cases += [
+                (ak.ACTIVATION, (x, name, k, 0.75, 1.3, 0.5)),
+                (ak.ACTIVATION_SCALED, (x, s, name, k, 0.75, 1.3, 0.5)),
+                (ak.DACTIVATION_SCALED, (dy_g, x, s, name, k, 0.75, 1.3, 0.5)),
+            ]
+    for kernel, args in cases:
+        fast, ref = _both_paths(kernel, args)
+        for i, (f, r) in enumerate(zip(fast, ref)):
+            assert f.dtype == r.dtype and f.shape == r.shape, (kernel, args[2:], i)
+            assert_close(
+                f, r.double(), msg=f"{kernel.name} {[a for a in args if not isinstance(a, torch.Tensor)]} output {i}"
+            )
+
+
+def test_fast_path_keeps_nan_and_inf_semantics():
+    x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 0.0, -2.0, 3.0]])
+    dy = torch.tensor([[1.0, 1.0, float("inf"), float("nan"), 2.0, -1.0]])
+    for name in ("relu", "srelu", "qgelu", "sigmoid"):
+        fast, ref = _both_paths(ak.DACTIVATION, (dy, x, name, 0, 0.0, 0.0, 0.0))
+        assert torch.equal(fast[0].isnan(), ref[0].isnan()), name
+        ok = ~ref[0].isnan()
+        assert_close(fast[0][ok], ref[0][ok].double(), msg=name)
+    xg = torch.tensor([[float("nan"), 9.0, 1.0, float("nan")]])
+    fast, ref = _both_paths(ak.ACTIVATION, (xg, "clamped_swiglu", 0, 7.0, 1.702, 1.0))
+    assert fast[0].isnan().all() and ref[0].isnan().all()
+
+
+def test_weight_grads_do_not_depend_on_the_thread_count(monkeypatch):
+    monkeypatch.setattr(_fast, "CHUNK_ELEMENTS", 256)
+    x, dy, w = make((500, 16), torch.bfloat16), make((500, 16), torch.bfloat16), make((16,), torch.bfloat16)
+    threads = torch.get_num_threads()
+    results = []
+    for n in (1, 2, 3):
+        torch.set_num_threads(n)
+        try:
+            results.append((nk.layer_norm_bwd_ref(dy, x, w, 1e-5, False), nk.rms_norm_bwd_ref(dy, x, w, 1e-5, False)))
+        finally:
+            torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip([*results[0][0], *results[0][1]], [*other[0], *other[1]]):
+            assert torch.equal(a, b)
+
+
+def test_fast_path_is_not_taken_under_autograd_transforms_or_compile():
+    x = torch.ones(3, requires_grad=True)
+    assert not _fast.eager_cpu(x)
+    with torch.no_grad():
+        assert _fast.eager_cpu(x)
+    assert not _fast.eager_cpu(torch.ones(2, device="meta"))
+    assert torch.func.vmap(lambda t: torch.tensor(_fast.eager_cpu(t)))(torch.ones(2, 3)).logical_not().all()
+
+
+# ----------------------------------------------------------------------------- the benchmark's GPU code path
+
+
+def test_gpu_benchmark_code_path_runs_through_the_interpreter():
+    """benchmarks/_act_cases.run_gpu measures kernel bandwidth on CUDA; run it on the CPU at a tiny
+    shape through Triton's interpreter so that the code stays correct without a GPU."""
+    from benchmarks import _act_cases
+
+    cases = _act_cases.ACTIVATIONS + _act_cases.NORMS + _act_cases.DROPOUT
+    with functe.use_backend("interpret"):
+        text = _act_cases.run_gpu(cases, (4, 64), torch.float32, reps=1, device="cpu", compile_=False)
+    for case in cases:
+        assert f"| {case.name}" in text
+    assert "fraction of copy" in text
+
+
+def test_interleaved_views_match_the_reference_layout():
+    x = torch.arange(16.0).view(1, 16)
+    a, b = ak._halves(x, 2)
+    ra, rb = deinterleave(x, 2)
+    assert torch.equal(a.flatten(-2), ra) and torch.equal(b.flatten(-2), rb)
+    assert ra.tolist() == [[0.0, 1.0, 4.0, 5.0, 8.0, 9.0, 12.0, 13.0]]
+
+
+def test_layer_norm_reference_matches_torch():
+    x, w, b = make((4, 9), F64), make((9,), F64), make((9,), F64)
+    assert_close(ln_ref(x, w, b), torch.nn.functional.layer_norm(x, (9,), w, b, 1e-5))
+    assert_close(l2_ref(x, eps=0.0), torch.nn.functional.normalize(x, dim=-1, eps=0.0))

@@ -1,0 +1,228 @@
+"""Norm ops: values and gradients vs float64 references on both backends, transforms, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import pytest
+import torch
+from act_helpers import KINDS, as64, check, check_sum, inputs, on_backends, outputs_and_grads
+from act_helpers import l2_normalize as l2_ref
+from act_helpers import layer_norm as ln_ref
+from act_helpers import rms_norm as rms_ref
+from helpers import F64, FLOATS, check_transforms, gradchecks, make
+
+import functe
+from functe import ops
+from functe.kernels import norm as norm_kernels
+
+SHAPES = [(37,), (2, 13), (32, 1, 32), (0, 13)]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    fn: Callable
+    ref: Callable
+    params: int  # number of [N] parameters after x (weight, bias)
+    kind: str  # layer | rms | l2
+    eps: float
+    zero_centered: bool = False
+
+
+CASES = [
+    Case("layer_norm", ops.layer_norm, ln_ref, 2, "layer", 1e-5),
+    Case(
+        "layer_norm_zc_eps",
+        partial(ops.layer_norm, eps=0.3, zero_centered_gamma=True),
+        partial(ln_ref, eps=0.3, zero_centered=True),
+        2,
+        "layer",
+        0.3,
+        True,
+    ),
+    Case("rms_norm", ops.rms_norm, rms_ref, 1, "rms", 1e-5),
+    Case(
+        "rms_norm_zc_eps",
+        partial(ops.rms_norm, eps=0.3, zero_centered_gamma=True),
+        partial(rms_ref, eps=0.3, zero_centered=True),
+        1,
+        "rms",
+        0.3,
+        True,
+    ),
+    Case("l2_normalize", ops.l2_normalize, l2_ref, 0, "l2", 1e-6),
+    Case("l2_normalize_eps", partial(ops.l2_normalize, eps=0.5), partial(l2_ref, eps=0.5), 0, "l2", 0.5),
+]
+IDS = [c.name for c in CASES]
+
+
+def _shapes(case, shape):
+    return (shape, *[shape[-1:]] * case.params)
+
+
+def _normalized(case, x):
+    """(x̂, r) in float64."""
+    n = 1 if case.kind == "l2" else x.shape[-1]
+    xc = x - x.mean(-1, keepdim=True) if case.kind == "layer" else x
+    r = torch.rsqrt((xc**2).sum(-1, keepdim=True) / n + case.eps)
+    return xc * r, r
+
+
+def _magnitudes(case, args64, dy):
+    """Error scales: Σ|terms| of dx = r·(g − mean(g) − x̂·mean(g·x̂)), of dγ = Σ dy·x̂ and of dβ = Σ dy."""
+    x = args64[0]
+    n = 1 if case.kind == "l2" else x.shape[-1]
+    xhat, r = _normalized(case, x)
+    g = dy.abs()
+    if case.params:
+        g = g * (args64[1] + (1.0 if case.zero_centered else 0.0)).abs()
+    dx = r * (g + g.sum(-1, keepdim=True) / n + xhat.abs() * (g * xhat.abs()).sum(-1, keepdim=True) / n)
+    rows = dy.reshape(-1, x.shape[-1])
+    return dx, (rows * xhat.reshape(rows.shape)).abs().sum(0), rows.abs().sum(0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_values_and_grads_vs_float64_on_both_backends(case, dtype):
+    for shape in SHAPES:
+        for kind in KINDS:
+            args = inputs(_shapes(case, shape), dtype, kind)
+            args64 = as64(args)
+            cotangent = make(shape, dtype)
+            dy = as64([cotangent])[0]
+            ref_out, ref_grads, _ = outputs_and_grads(case.ref, args64, dy)
+            dx_mag, dw_mag, db_mag = _magnitudes(case, args64, dy)
+            results = on_backends(case.fn, args, cotangent)
+            for backend, (out, grads) in results.items():
+                where = f"{case.name} {dtype} {shape} {kind} [{backend}]"
+                assert out.dtype == dtype and all(g.dtype == dtype for g in grads), where
+                check(out, ref_out, f"{where} y")
+                check_sum(grads[0], ref_grads[0], dx_mag, f"{where} dx")
+                if case.params >= 1:
+                    check_sum(grads[1], ref_grads[1], dw_mag, f"{where} dw")
+                if case.params == 2:
+                    check_sum(grads[2], ref_grads[2], db_mag, f"{where} db")
+            tri, twin = results["interpret"], results["torch"]
+            check(tri[0], as64([twin[0]])[0], f"{case.name} {dtype} {shape} {kind}: triton vs twin y")
+            check_sum(tri[1][0], as64(twin[1][:1])[0], dx_mag, f"{case.name} {dtype} {shape} {kind}: triton vs twin dx")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_torch_func_transforms(case, backend):
+    check_transforms(case.fn, case.ref, [make(s, F64) for s in _shapes(case, (3, 6))])
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gradcheck(case, backend):
+    gradchecks(case.fn, [make(s, F64) for s in _shapes(case, (3, 5))])
+
+
+def test_per_example_weight_gradients_under_vmap(backend):
+    """vmap(grad) w.r.t. γ gives one dγ per example (the backward kernel's reduction is per member)."""
+    x, w, b = make((4, 3, 6), F64), make((6,), F64), make((6,), F64)
+    loss = lambda w, b, x: (ops.layer_norm(x, w, b) ** 3).sum()
+    ref = lambda w, b, x: (ln_ref(x, w, b) ** 3).sum()
+    per_example = torch.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(None, None, 0))(w, b, x)
+    expected = torch.vmap(torch.func.grad(ref, argnums=(0, 1)), in_dims=(None, None, 0))(w, b, x)
+    for got, exp in zip(per_example, expected):
+        assert got.shape == (4, 6)
+        check(got, exp, "per-example grads")
+
+
+def test_weight_grads_are_deterministic_fp32_partial_sums():
+    """Many rows: the backward kernel splits them over programs; dγ and dβ are reproducible."""
+    x, w, dy = make((3000, 5), torch.bfloat16), make((5,), torch.bfloat16), make((3000, 5), torch.bfloat16)
+    with functe.use_backend("interpret"):
+        first = norm_kernels.layer_norm_bwd(dy, x, w, 1e-5, False)
+        second = norm_kernels.layer_norm_bwd(dy, x, w, 1e-5, False)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    dy64, x64 = dy.double(), x.double()
+    xhat = ln_ref(x64, torch.ones(5, dtype=F64), torch.zeros(5, dtype=F64))
+    check_sum(first[1], (dy64 * xhat).sum(0), (dy64 * xhat).abs().sum(0), "dw")
+    check_sum(first[2], dy64.sum(0), dy64.abs().sum(0), "db")
+
+
+def test_non_contiguous_inputs_and_stride0_cotangents(backend):
+    x = make((13, 6), torch.float32).t()  # (6, 13), non-contiguous
+    w, b = make((26,), torch.float32)[::2], make((13,), torch.float32)  # stride-2 weight
+    grads = torch.func.grad(lambda x, w, b: ops.layer_norm(x, w, b).sum(), argnums=(0, 1, 2))(x, w, b)
+    expected = torch.func.grad(lambda x, w, b: ln_ref(x, w, b).sum(), argnums=(0, 1, 2))(
+        x.double(), w.double(), b.double()
+    )
+    for i, (g, e) in enumerate(zip(grads, expected)):
+        check_sum(g, e, torch.full_like(e, 60.0), f"grad {i}")
+
+
+def test_nan_in_a_row_stays_in_that_row(backend):
+    x = make((3, 8), torch.float32)
+    x[1, 2] = float("nan")
+    w, b = torch.ones(8), torch.zeros(8)
+    for y in (ops.layer_norm(x, w, b), ops.rms_norm(x, w), ops.l2_normalize(x)):
+        assert y[1].isnan().all() and not y[0].isnan().any() and not y[2].isnan().any()
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_weight_shape_and_dtype_mismatches():
+    x = torch.zeros(4, 16)
+    with pytest.raises(
+        functe.ShapeError,
+        match=r"functe\.layer_norm: argument 'weight' expected f32\[16\], got f32\[15\] "
+        r"\(one value per feature: x\.shape\[-1\] = 16\)",
+    ):
+        ops.layer_norm(x, torch.ones(15), torch.zeros(16))
+    with pytest.raises(
+        functe.ShapeError, match=r"functe\.layer_norm: argument 'bias' expected f32\[16\], got f32\[1,16\]"
+    ):
+        ops.layer_norm(x, torch.ones(16), torch.zeros(1, 16))
+    with pytest.raises(
+        functe.ShapeError, match=r"functe\.rms_norm: argument 'weight' expected f32\[16\], got f32\[4,16\]"
+    ):
+        ops.rms_norm(x, torch.ones(4, 16))
+    with pytest.raises(
+        functe.DTypeError,
+        match=r"functe\.rms_norm: argument 'weight' expected dtype f32 to match 'x' f32\[4,16\], got bf16\[16\]",
+    ):
+        ops.rms_norm(x, torch.ones(16, dtype=torch.bfloat16))
+
+
+def test_rank_and_eps_errors():
+    with pytest.raises(
+        functe.ShapeError,
+        match=r"functe\.l2_normalize: argument 'x' expected a tensor \[\.\.\., N\] with N >= 1, got f32\[\]",
+    ):
+        ops.l2_normalize(torch.tensor(1.0))
+    with pytest.raises(functe.ShapeError, match=r"got f32\[3,0\]"):
+        ops.rms_norm(torch.zeros(3, 0), torch.zeros(0))
+    with pytest.raises(
+        ValueError, match=r"functe\.layer_norm: argument 'eps' expected a finite Python number >= 0, got -1.0"
+    ):
+        ops.layer_norm(torch.zeros(2, 3), torch.ones(3), torch.zeros(3), eps=-1.0)
+
+
+def _block(x, w, b, s, seed):
+    h = ops.layer_norm(x, w, b)
+    h = ops.scaled_swiglu(h, s, interleave=2)
+    return ops.dropout(ops.rms_norm(h, w[:4], zero_centered_gamma=True), 0.25, seed=seed)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["inference", "training"])
+def test_block_compiles_fullgraph(requires_grad, backend):
+    """layer_norm -> scaled_swiglu -> rms_norm -> dropout under torch.compile(fullgraph=True), with
+    autograd outside; multi-argument ops also compile when nothing requires grad."""
+    torch._dynamo.reset()
+    args = [make(s, torch.float32).requires_grad_(requires_grad) for s in ((5, 8), (8,), (8,), (5,))]
+    seed = torch.tensor(11)
+    compiled = torch.compile(_block, fullgraph=True, backend="aot_eager")
+    got, expected = compiled(*args, seed), _block(*args, seed)
+    check(got, expected.double(), "value")
+    if requires_grad:
+        cot = make(got.shape, torch.float32)
+        for g, e in zip(torch.autograd.grad(got, args, cot), torch.autograd.grad(expected, args, cot)):
+            check(g, e.double(), "grad")
+    torch._dynamo.reset()
