@@ -360,6 +360,28 @@ def parallel_fp8_linear(recipe_name: str, dtype_name: str) -> None:
                 assert_close(leaf, single, msg=f"{what}: next state vs single process")
 
 
+def parallel_fp8_ensemble() -> None:
+    """vmap(value_and_grad) over an ensemble of tensor-parallel FP8 linears: each member keeps its own state."""
+    recipe, members = RECIPES["delayed"], 3
+
+    def loss(params, state, x):
+        return ops.fp8_linear(x, params["w"], None, state, recipe=recipe, tensor_parallel_mode="column").square().sum()
+
+    states = functe.tree_map(lambda t: torch.stack([t] * members), functe.init_linear_scaling_state(recipe))
+    w = part(seeded((members, 8, 16), seed=740), 1)
+    x = seeded((members, 4, 16), seed=741) * torch.tensor([1.0, 2.0, 4.0])[:, None, None]
+    _, grads, next_states = torch.func.vmap(functe.value_and_grad(loss))({"w": w}, states, x)
+    for i in range(members):
+        member = functe.tree_map(lambda t, i=i: t[i], states)
+        _, g, s = functe.value_and_grad(loss)({"w": w[i]}, member, x[i])
+        assert_close(grads["w"][i], g["w"], msg=f"member {i}: dW")
+        for a, b in zip(functe.tree_leaves(next_states), functe.tree_leaves(s)):
+            assert torch.equal(a[i], b), f"member {i}: state"
+            assert same_on_all_ranks(a[i])
+    scales = next_states.input.scale
+    assert len(set(scales.tolist())) == members, "members with different inputs must get different scales"
+
+
 def delayed_states_agree(steps: int, sequence_parallel: bool) -> list[float]:
     """A tensor-parallel FP8 MLP trained for ``steps``: states identical across ranks and equal to one process's."""
     ex = example_module()

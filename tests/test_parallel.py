@@ -113,6 +113,14 @@ def test_traced_parallel_linears_record_their_mode():
     assert program.outputs[0].shape == (2, 6)  # reduce-scattered along dim 0
     gathered = functe.trace(lambda x, w: ops.all_gather(x, group=FAKE, dim=1))(x, w)
     assert gathered.outputs[0].shape == (4, 16)
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    quantized = functe.trace(
+        lambda x, w, s: ops.fp8_linear(
+            x, w, None, s, recipe=recipe, tensor_parallel_mode="column", sequence_parallel=True, group=FAKE
+        )
+    )(x, w, functe.init_linear_scaling_state(recipe))
+    assert "fp8_linear[parallel=column+sp@fake/2 amax@fake/2 recipe=" in str(quantized)
+    assert quantized.outputs[0].shape == (8, 6)  # all-gathered along dim 0
 
 
 def test_fusion_rules_decline_parallel_linears_with_te_reasons():
@@ -184,6 +192,11 @@ def test_parallel_linear_under_vmap(pool):
 )
 def test_parallel_fp8_linear_equals_one_process(pool, recipe, dtype):
     pool.run(checks.parallel_fp8_linear, recipe, dtype)
+
+
+@pytest.mark.distributed
+def test_parallel_fp8_ensemble_under_vmap(pool):
+    pool.run(checks.parallel_fp8_ensemble)
 
 
 @pytest.mark.distributed
