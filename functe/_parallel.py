@@ -188,11 +188,21 @@ def gathered_shape(shape: torch.Size, p: LinearParallelism | None) -> tuple[int,
 
 
 def reduce_amax(op: str, amaxes: tuple[Tensor, ...], p: LinearParallelism | None) -> tuple[Tensor, ...]:
-    """The amaxes MAX-reduced over ``p.amax_group`` in one collective (TE's reduce_amax)."""
+    """The amaxes MAX-reduced over ``p.amax_group`` in one collective (TE's reduce_amax).
+
+    NaN-safe: the amax of a tensor with a NaN is NaN (docs/fp8.md), but a MAX all-reduce compares
+    with ``<`` and drops a NaN depending on which rank holds it (measured with gloo: NaN on rank 0
+    survives, on rank 1 it is lost). So a NaN travels as +inf plus a flag, and comes back as NaN
+    on every rank if any rank had one: the result is the single-process amax of the whole tensor.
+    """
     if p is None or p.amax_group.size == 1:
         return amaxes
     flat = torch.stack([a.reshape(()).to(torch.float32) for a in amaxes])
-    flat = collective("all_reduce", flat, p.amax_group, op="max", who=f"{op}: amax reduction")
+    nan = torch.isnan(flat)
+    packed = torch.cat([torch.where(nan, torch.full_like(flat, float("inf")), flat), nan.to(torch.float32)])
+    packed = collective("all_reduce", packed, p.amax_group, op="max", who=f"{op}: amax reduction")
+    n = len(amaxes)
+    flat = torch.where(packed[n:] > 0, torch.full_like(flat, float("nan")), packed[:n])
     return tuple(flat.unbind(0))
 
 

@@ -108,6 +108,10 @@ def collectives(dtype_name: str, backend: str) -> None:
                 want = sum(seeded(shape, dtype, seed=60 + s).to(F64) for s in range(P)) if reduce_in_backward else ct
                 assert_close(dx, want, msg=f"all_reduce backward {shape} reduce_in_backward={reduce_in_backward}")
 
+        # non-finite values: gathered as they are, summed as IEEE sums them
+        special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e30], dtype=dtype)
+        assert torch.equal(ops.all_gather(special).view(P, -1).isnan(), special.isnan().expand(P, -1))
+        assert_close(ops.all_reduce(special), special.to(F64) * P, msg="all_reduce of inf/nan")
         # non-contiguous inputs: a stride-0 gradient of .sum(), a transpose
         ones = torch.ones((), dtype=dtype).expand(3, 4)
         assert torch.equal(ops.all_reduce(ones), torch.full((3, 4), float(P), dtype=dtype))
@@ -154,8 +158,8 @@ def collective_transforms() -> None:
 
 # ----------------------------------------------------------------------------- parallel linear
 
-# (mode, sequence_parallel, global x shape, out_features, in_features): local shapes are the
-# global ones split as the mode says; 0 rows included.
+# (mode, sequence_parallel, global x shape, out_features): local shapes are the global ones
+# split as the mode says; 0 rows included.
 LINEAR_CASES = [
     ("column", False, (37, 10), 6),
     ("column", True, (6, 3, 10), 6),
@@ -380,6 +384,37 @@ def parallel_fp8_ensemble() -> None:
             assert same_on_all_ranks(a[i])
     scales = next_states.input.scale
     assert len(set(scales.tolist())) == members, "members with different inputs must get different scales"
+
+
+def _fp8_unbiased_loss(params, state, x, dy, *, recipe, **parallel):
+    return (ops.fp8_linear(x, params["w"], None, state, recipe=recipe, **parallel) * dy).sum()
+
+
+def amax_reduction_keeps_nan_and_inf() -> None:
+    """A NaN or inf in one rank's shard reaches every rank's state as one process would record it."""
+    from functe._fp8_gemm import compute_dtype
+    from functe._parallel import cast_input, linear_parallelism
+
+    recipe = RECIPES["delayed"]
+    column_sp = {"tensor_parallel_mode": "column", "sequence_parallel": True}
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for culprit in range(world()):
+            what = f"{bad} on rank {culprit}"
+            x, w, dy = seeded((4, 16), seed=750), seeded((8, 16), seed=751), seeded((4, 8), seed=752)
+            x[culprit * 2, 3] = bad  # in rank `culprit`'s half of the sequence
+            loss = functools.partial(_fp8_unbiased_loss, recipe=recipe)
+            _, _, single = functe.value_and_grad(loss)({"w": w}, _fp8_state(recipe), x, dy)
+            tp_loss = functools.partial(loss, **column_sp)
+            _, _, tp = functe.value_and_grad(tp_loss)({"w": part(w, 0)}, _fp8_state(recipe), part(x, 0), part(dy, -1))
+            for a, b in zip(functe.tree_leaves(tp.input), functe.tree_leaves(single.input)):
+                assert torch.equal(a, b) or (a.isnan().any() and torch.equal(a.nan_to_num(), b.nan_to_num())), what
+                assert torch.equal(a.isnan(), b.isnan()), what
+                assert same_on_all_ranks(a.nan_to_num(7.0)), what
+            # current scaling: the reduced amax is the whole tensor's, and a bad one gives scale 1 everywhere
+            p = linear_parallelism("check", x, "column", True, None, fp8=True)
+            xl = part(x, 0)
+            _, _, scale, amax = cast_input("check", xl, functe.CurrentScaling(), None, compute_dtype(x.dtype), p)
+            assert torch.equal(amax.isnan(), torch.tensor(bad).isnan()) and scale.item() == 1.0, what
 
 
 def delayed_states_agree(steps: int, sequence_parallel: bool) -> list[float]:

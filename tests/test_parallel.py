@@ -200,6 +200,11 @@ def test_parallel_fp8_ensemble_under_vmap(pool):
 
 
 @pytest.mark.distributed
+def test_amax_reduction_keeps_nan_and_inf(pool):
+    pool.run(checks.amax_reduction_keeps_nan_and_inf)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_delayed_scaling_states_agree_across_ranks(pool, sequence_parallel):
     curves = pool.run(checks.delayed_states_agree, 6, sequence_parallel)
