@@ -75,13 +75,13 @@ class _ReduceFromTP(torch.autograd.Function):
 
 def _gather0(x):
     out = x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous())
+    dist.all_gather_single(out, x.contiguous())
     return out
 
 
 def _scatter0(x):
     out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous())
+    dist.reduce_scatter_single(out, x.contiguous())
     return out
 
 
