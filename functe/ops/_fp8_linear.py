@@ -16,16 +16,33 @@ the next state.
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
 from .._errors import check_same_device, check_same_dtype, check_tensor, describe_shape, shape_error
 from .._fp8_gemm import compute_dtype, gemm_nt, native_ok
 from .._fp8_state import LinearScalingState, as_cotangent, check_linear_state, delayed_scaling_update
+from .._parallel import (
+    cast_input,
+    gather_grad_output,
+    gather_input,
+    gathered_shape,
+    gemm_bias,
+    linear_parallelism,
+    reduce_amax,
+    reduce_grad_input,
+    reduce_output,
+)
 from .._quantize import QUANTIZABLE, cast, cast_dbias
 from .._recipe import DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .._vjp import custom_vjp
 from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 Tensor = torch.Tensor
 
@@ -33,26 +50,33 @@ Tensor = torch.Tensor
 # ----------------------------------------------------------------------------- per-tensor recipes
 
 
-def _fwd(x, weight, bias, state, *, recipe):
+def _fwd(x, weight, bias, state, *, recipe, parallel=None):
     if isinstance(recipe, MXFP8BlockScaling):
-        return _mx_fwd(x, weight, bias, recipe)
+        return _mx_fwd(x, weight, bias, recipe, parallel)
     x2 = x.reshape(-1, x.shape[-1])
-    native = native_ok(x2, weight, dims=(x2.shape[0], weight.shape[0], x2.shape[1]))
+    lead = gathered_shape(x.shape[:-1], parallel)  # tensor parallelism: functe/_parallel.py
+    native = native_ok(x2, weight, dims=(math.prod(lead), weight.shape[0], x2.shape[1]))
     delayed = isinstance(recipe, DelayedScaling)
     scale_x, scale_w = (state.input.scale, state.weight.scale) if delayed else (None, None)
-    xq, sx, amax_x = cast(x2, recipe, "input", scale_x, _store(recipe, "input", x, native))
+    xq, xq_gemm, sx, amax_x = cast_input(
+        "fp8_linear", x2, recipe, scale_x, _store(recipe, "input", x, native), parallel
+    )
     wq, sw, amax_w = cast(weight, recipe, "weight", scale_w, _store(recipe, "weight", x, native))
     sinv_x, sinv_w = torch.reciprocal(sx), torch.reciprocal(sw)
-    y = gemm_nt(xq, sinv_x, wq, sinv_w, out_dtype=x.dtype, bias=bias, native=native, fast_accum=True)
+    y = gemm_nt(
+        xq_gemm, sinv_x, wq, sinv_w, out_dtype=x.dtype, bias=gemm_bias(bias, parallel), native=native, fast_accum=True
+    )
+    y = reduce_output("fp8_linear", y.reshape(*lead, weight.shape[0]), bias, parallel)
     next_states = None
     if delayed:
+        amax_x, amax_w = reduce_amax("fp8_linear", (amax_x, amax_w), parallel)
         next_states = (
             delayed_scaling_update(state.input, amax_x, recipe=recipe, role="input"),
             delayed_scaling_update(state.weight, amax_w, recipe=recipe, role="weight"),
             state.grad_output,
         )
     residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x.shape, x.dtype)
-    return y.reshape(*x.shape[:-1], weight.shape[0]), residuals
+    return y, residuals
 
 
 def _store(recipe: Recipe, role: str, like: Tensor, native: bool) -> torch.dtype:
@@ -60,10 +84,12 @@ def _store(recipe: Recipe, role: str, like: Tensor, native: bool) -> torch.dtype
     return recipe.dtype(role) if native else compute_dtype(like.dtype)
 
 
-def _bwd(res, dy, *, recipe):
+def _bwd(res, dy, *, recipe, parallel=None):
     if isinstance(recipe, MXFP8BlockScaling):
-        return _mx_bwd(res, dy, recipe)
+        return _mx_bwd(res, dy, recipe, parallel)
     xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype = res
+    # column+sp gathers the saved FP8 input again (as TE), row+sp gathers dy (high precision)
+    xq, dy = gather_input("fp8_linear", xq, parallel), gather_grad_output("fp8_linear", dy, parallel)
     dy2 = dy.reshape(-1, dy.shape[-1])
     if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1])):
         native = False  # (not expected: same device and dims) decode the saved FP8 operands for the emulation
@@ -81,11 +107,13 @@ def _bwd(res, dy, *, recipe):
     state_ct = None
     if next_states is not None:
         new_in, new_w, _ = next_states
+        (amax_dy,) = reduce_amax("fp8_linear", (amax_dy,), parallel)
         new_go = delayed_scaling_update(go_state, amax_dy, recipe=recipe, role="grad_output")
         state_ct = LinearScalingState(
             input=as_cotangent(new_in), weight=as_cotangent(new_w), grad_output=as_cotangent(new_go)
         )
-    return dx.reshape(x_shape), dw, dbias, state_ct
+    dx = reduce_grad_input("fp8_linear", dx.reshape(gathered_shape(x_shape, parallel)), parallel)
+    return dx, dw, dbias, state_ct
 
 
 # ----------------------------------------------------------------------------- MXFP8
@@ -96,23 +124,27 @@ def _mx(t: Tensor, recipe: Recipe, role: str, dtype: torch.dtype) -> Tensor:
     return MXFP8_CAST(t, recipe.dtype(role), compute_dtype(dtype))[0]
 
 
-def _mx_fwd(x, weight, bias, recipe):
-    x2 = x.reshape(-1, x.shape[-1])
+def _mx_fwd(x, weight, bias, recipe, parallel=None):
+    # Blocks run along K, so quantizing after the (column+sp) all-gather equals gathering MXFP8 shards.
+    xg = gather_input("fp8_linear", x, parallel)
+    x2 = xg.reshape(-1, x.shape[-1])
     y = gemm_nt(
         _mx(x2, recipe, "input", x.dtype),
         None,
         _mx(weight, recipe, "weight", x.dtype),
         None,
         out_dtype=x.dtype,
-        bias=bias,
+        bias=gemm_bias(bias, parallel),
     )
-    return y.reshape(*x.shape[:-1], weight.shape[0]), (x, weight, bias is not None)
+    y = reduce_output("fp8_linear", y.reshape(*xg.shape[:-1], weight.shape[0]), bias, parallel)
+    return y, (x, weight, bias is not None)
 
 
-def _mx_bwd(res, dy, recipe):
+def _mx_bwd(res, dy, recipe, parallel=None):
     # Rowwise copies have blocks along K (fprop); dgrad reduces over N and wgrad over M, so their
     # operands are quantized again with blocks along those dims (TE's columnwise copies).
     x, weight, has_bias = res
+    x, dy = gather_input("fp8_linear", x, parallel), gather_grad_output("fp8_linear", dy, parallel)
     x2, dy2, dtype = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), x.dtype
     dx = gemm_nt(
         _mx(dy2, recipe, "grad_output", dtype), None, _mx(weight.t(), recipe, "weight", dtype), None, out_dtype=dtype
@@ -121,14 +153,23 @@ def _mx_bwd(res, dy, recipe):
         _mx(dy2.t(), recipe, "grad_output", dtype), None, _mx(x2.t(), recipe, "input", dtype), None, out_dtype=dtype
     )
     dbias = BIAS_GRAD(dy2) if has_bias else None
-    return dx.reshape(x.shape), dw, dbias, None
+    return reduce_grad_input("fp8_linear", dx.reshape(x.shape), parallel), dw, dbias, None
 
 
 _fp8_linear = custom_vjp("fp8_linear", _fwd, _bwd)
 
 
 def fp8_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearScalingState | None, *, recipe: Recipe
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    state: LinearScalingState | None,
+    *,
+    recipe: Recipe,
+    tensor_parallel_mode: str | None = None,
+    sequence_parallel: bool = False,
+    group: ProcessGroup | None = None,
+    amax_group: ProcessGroup | None = None,
 ) -> Tensor:
     """``y = x @ weight.T + bias`` with FP8 operands (TransformerEngine's quantized linear).
 
@@ -144,6 +185,12 @@ def fp8_linear(
             *directly* (no op in between: its cotangent is its next value); ``None`` for the
             stateless :class:`functe.CurrentScaling` and :class:`functe.MXFP8BlockScaling`.
         recipe: the quantization recipe (keyword-only, static).
+        tensor_parallel_mode, sequence_parallel, group: tensor parallelism as in
+            :func:`functe.ops.linear`.
+        amax_group: the ``ProcessGroup`` over which amaxes are MAX-reduced under delayed
+            scaling, so that states stay identical across its ranks (default: the
+            tensor-parallel group; pass the data-parallel or the world group to include data
+            parallelism, as TE's ``fp8_group``).
 
     Returns:
         ``[..., out_features]`` in ``x``'s dtype. The next state comes back through the gradient:
@@ -176,4 +223,9 @@ def fp8_linear(
         check_same_dtype("fp8_linear", "bias", bias, x, "x")
     check_linear_state("fp8_linear", state, recipe)
     check_same_device("fp8_linear", {"x": x, "weight": weight, "bias": bias})
-    return _fp8_linear(x, weight, bias, state, recipe=recipe)
+    stateful = isinstance(recipe, DelayedScaling)  # amaxes are reduced to keep states identical
+    mode, sp = tensor_parallel_mode, sequence_parallel
+    parallel = linear_parallelism("fp8_linear", x, mode, sp, group, amax_group, fp8=stateful)
+    if parallel is None:
+        return _fp8_linear(x, weight, bias, state, recipe=recipe)
+    return _fp8_linear(x, weight, bias, state, recipe=recipe, parallel=parallel)

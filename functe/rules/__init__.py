@@ -14,6 +14,9 @@ activation+bias; add+rms_norm; norm/activation+quantize under a recipe).
 """
 
 from ._check import check as check
+from ._parallel import backward_parallel_reason as backward_parallel_reason
+from ._parallel import first_reason as first_reason
+from ._parallel import forward_parallel_reason as forward_parallel_reason
 from ._pattern import PHASES as PHASES
 from ._pattern import Match as Match
 from ._pattern import Pattern as Pattern
@@ -39,6 +42,9 @@ __all__ = [
     "RewriteStats",
     "Rule",
     "RuleSet",
+    "backward_parallel_reason",
     "check",
+    "first_reason",
+    "forward_parallel_reason",
     "rewrite",
 ]
