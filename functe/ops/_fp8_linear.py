@@ -38,12 +38,22 @@ def _fwd(x, weight, bias, state, *, recipe):
         return _mx_fwd(x, weight, bias, recipe)
     x2 = x.reshape(-1, x.shape[-1])
     native = native_ok(x2, weight, dims=(x2.shape[0], weight.shape[0], x2.shape[1]))
-    delayed = isinstance(recipe, DelayedScaling)
-    scale_x, scale_w = (state.input.scale, state.weight.scale) if delayed else (None, None)
+    scale_x = state.input.scale if isinstance(recipe, DelayedScaling) else None
     xq, sx, amax_x = cast(x2, recipe, "input", scale_x, _store(recipe, "input", x, native))
-    wq, sw, amax_w = cast(weight, recipe, "weight", scale_w, _store(recipe, "weight", x, native))
+    return forward_quantized(xq, sx, amax_x, x.shape, x.dtype, weight, bias, state, recipe=recipe, native=native)
+
+
+def forward_quantized(xq, sx, amax_x, x_shape, dtype, weight, bias, state, *, recipe, native):
+    """The forward rule after the input cast: ``(y, residuals)`` from ``xq`` (2-D, quantized with scale ``sx``).
+
+    Fused ops that produce the quantized input themselves (norm + cast, activation + cast: q-in) call
+    this, so their residuals are exactly the ones the backward rule expects.
+    """
+    delayed = isinstance(recipe, DelayedScaling)
+    scale_w = state.weight.scale if delayed else None
+    wq, sw, amax_w = cast(weight, recipe, "weight", scale_w, _store(recipe, "weight", xq, native, dtype))
     sinv_x, sinv_w = torch.reciprocal(sx), torch.reciprocal(sw)
-    y = gemm_nt(xq, sinv_x, wq, sinv_w, out_dtype=x.dtype, bias=bias, native=native, fast_accum=True)
+    y = gemm_nt(xq, sinv_x, wq, sinv_w, out_dtype=dtype, bias=bias, native=native, fast_accum=True)
     next_states = None
     if delayed:
         next_states = (
@@ -51,41 +61,57 @@ def _fwd(x, weight, bias, state, *, recipe):
             delayed_scaling_update(state.weight, amax_w, recipe=recipe, role="weight"),
             state.grad_output,
         )
-    residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x.shape, x.dtype)
-    return y.reshape(*x.shape[:-1], weight.shape[0]), residuals
+    residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x_shape, dtype)
+    return y.reshape(*x_shape[:-1], weight.shape[0]), residuals
 
 
-def _store(recipe: Recipe, role: str, like: Tensor, native: bool) -> torch.dtype:
-    """Storage of quantized operands: float8 for the native GEMM, its compute dtype otherwise."""
-    return recipe.dtype(role) if native else compute_dtype(like.dtype)
+def _store(recipe: Recipe, role: str, like: Tensor, native: bool, dtype: torch.dtype | None = None) -> torch.dtype:
+    """Storage of quantized operands: float8 for the native GEMM, its compute dtype (of ``dtype``,
+    default ``like``'s) otherwise."""
+    return recipe.dtype(role) if native else compute_dtype(like.dtype if dtype is None else dtype)
 
 
 def _bwd(res, dy, *, recipe):
     if isinstance(recipe, MXFP8BlockScaling):
         return _mx_bwd(res, dy, recipe)
-    xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype = res
     dy2 = dy.reshape(-1, dy.shape[-1])
-    if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1])):
-        native = False  # (not expected: same device and dims) decode the saved FP8 operands for the emulation
-        xq, wq = xq.to(compute_dtype(dtype)), wq.to(compute_dtype(dtype))
-    store = _store(recipe, "grad_output", dy, native)
-    go_state = next_states[2] if next_states is not None else None
-    go_scale = go_state.scale if go_state is not None else None
-    if has_bias:
+    res, store, go_scale = grad_output_setup(res, dy2, recipe)
+    if res[5]:  # has_bias
         dyq, dbias, sdy, amax_dy = cast_dbias(dy2, recipe, "grad_output", go_scale, store)
     else:
         (dyq, sdy, amax_dy), dbias = cast(dy2, recipe, "grad_output", go_scale, store), None
+    dx, dw, state_ct = backward_quantized(res, dyq, sdy, amax_dy, recipe=recipe)
+    return dx, dw, dbias, state_ct
+
+
+def grad_output_setup(res, dy2, recipe):
+    """Before the grad-output cast: ``(residuals, storage dtype of dy_q, grad_output scale or None)``."""
+    xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype = res
+    if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1])):
+        native = False  # (not expected: same device and dims) decode the saved FP8 operands for the emulation
+        xq, wq = xq.to(compute_dtype(dtype)), wq.to(compute_dtype(dtype))
+        res = (xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype)
+    go_state = next_states[2] if next_states is not None else None
+    return res, _store(recipe, "grad_output", dy2, native), go_state.scale if go_state is not None else None
+
+
+def backward_quantized(res, dyq, sdy, amax_dy, *, recipe):
+    """The backward rule after the grad-output cast: ``(dx, dW, state cotangent)``.
+
+    Fused ops that quantize dy themselves (activation backward + dbias + cast) call this.
+    """
+    xq, sinv_x, wq, sinv_w, next_states, _, native, x_shape, dtype = res
     sinv_dy = torch.reciprocal(sdy)
     dx = gemm_nt(dyq, sinv_dy, wq.t(), sinv_w, out_dtype=dtype, native=native)
     dw = gemm_nt(dyq.t(), sinv_dy, xq.t(), sinv_x, out_dtype=dtype, native=native)
     state_ct = None
     if next_states is not None:
-        new_in, new_w, _ = next_states
+        new_in, new_w, go_state = next_states
         new_go = delayed_scaling_update(go_state, amax_dy, recipe=recipe, role="grad_output")
         state_ct = LinearScalingState(
             input=as_cotangent(new_in), weight=as_cotangent(new_w), grad_output=as_cotangent(new_go)
         )
-    return dx.reshape(x_shape), dw, dbias, state_ct
+    return dx.reshape(x_shape), dw, state_ct
 
 
 # ----------------------------------------------------------------------------- MXFP8
