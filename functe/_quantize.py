@@ -133,6 +133,21 @@ def cast_dact_dbias(dy: Tensor, x: Tensor, act: str, recipe: Recipe, role: str, 
     return q, dbias, scale, amax
 
 
+def _delayed_or_current(run, recipe: Recipe, role: str, scale: Tensor | None, device: torch.device):
+    """The per-tensor scaling logic around a quantizing kernel ``run(scale, write)`` (results, amax last).
+
+    Delayed scaling: one pass with the state's scale. Current scaling: a pass for the amax (and any
+    other result, e.g. dbias), the scale on the device, then the cast pass. Returns the kernel's
+    results with the scale used inserted before the amax.
+    """
+    if isinstance(recipe, DelayedScaling):
+        *out, amax = run(scale, True)
+        return (*out, scale, amax)
+    _, *others, amax = run(_ONE.to(device), False)
+    scale = current_scale(amax, recipe=recipe, role=role)
+    return (run(scale, True)[0], *others, scale, amax)
+
+
 def cast_norm(
     x: Tensor,
     weight: Tensor,
@@ -152,14 +167,12 @@ def cast_norm(
     twice (amax, then cast), recomputing the norm instead of storing it (see
     :mod:`functe.kernels.norm_quantize`).
     """
-    qdtype, norm = recipe.dtype(role), (eps, kind, zero_centered_gamma)
-    if isinstance(recipe, DelayedScaling):
-        q, amax = NORM_CAST_AMAX(x, weight, bias, scale, *norm, qdtype, out_dtype, True)
-        return q, scale, amax
-    _, amax = NORM_CAST_AMAX(x, weight, bias, _ONE.to(x.device), *norm, qdtype, out_dtype, False)
-    scale = current_scale(amax, recipe=recipe, role=role)
-    q, _ = NORM_CAST_AMAX(x, weight, bias, scale, *norm, qdtype, out_dtype, True)
-    return q, scale, amax
+    qdtype = recipe.dtype(role)
+
+    def run(s, write):
+        return NORM_CAST_AMAX(x, weight, bias, s, eps, kind, zero_centered_gamma, qdtype, out_dtype, write)
+
+    return _delayed_or_current(run, recipe, role, scale, x.device)
 
 
 def cast_act_output(
@@ -176,27 +189,23 @@ def cast_act_output(
 ):
     """:func:`cast_act` of the activation's output rounded to x's dtype: equals ``cast(activation(x))``
     bit for bit (what the fused [activation, fp8_linear] op needs). ``(q, scale used, amax)``."""
-    qdtype, params = recipe.dtype(role), (limit, alpha, offset)
-    if isinstance(recipe, DelayedScaling):
-        q, amax = ACT_OUTPUT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
-        return q, scale, amax
-    _, amax = ACT_OUTPUT_CAST_AMAX(x, _ONE.to(x.device), act, *params, qdtype, out_dtype, False)
-    scale = current_scale(amax, recipe=recipe, role=role)
-    q, _ = ACT_OUTPUT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
-    return q, scale, amax
+    qdtype = recipe.dtype(role)
+
+    def run(s, write):
+        return ACT_OUTPUT_CAST_AMAX(x, s, act, limit, alpha, offset, qdtype, out_dtype, write)
+
+    return _delayed_or_current(run, recipe, role, scale, x.device)
 
 
 def cast_dact_output_dbias(dy: Tensor, x: Tensor, act: str, recipe: Recipe, role: str, scale, out_dtype: torch.dtype):
     """:func:`cast_dact_dbias` of ``g = dy * act'(x)`` rounded to x's dtype: equals
     ``cast_dbias(dactivation(dy, x))`` bit for bit. ``(q, dbias, scale used, amax)``."""
     qdtype = recipe.dtype(role)
-    if isinstance(recipe, DelayedScaling):
-        q, dbias, amax = DACT_OUTPUT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
-        return q, dbias, scale, amax
-    _, dbias, amax = DACT_OUTPUT_DBIAS_CAST_AMAX(dy, x, _ONE.to(dy.device), act, qdtype, out_dtype, False)
-    scale = current_scale(amax, recipe=recipe, role=role)
-    q, _, _ = DACT_OUTPUT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
-    return q, dbias, scale, amax
+
+    def run(s, write):
+        return DACT_OUTPUT_DBIAS_CAST_AMAX(dy, x, s, act, qdtype, out_dtype, write)
+
+    return _delayed_or_current(run, recipe, role, scale, dy.device)
 
 
 _ONE = torch.ones((), dtype=torch.float32)

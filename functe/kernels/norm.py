@@ -83,6 +83,43 @@ def _load_gamma(W, cols, col_mask, ZERO_CENTERED: tl.constexpr, COMPUTE: tl.cons
 
 
 @jit
+def norm_fwd_tile(
+    X,
+    W,
+    B,
+    pid,
+    n_rows,
+    n_cols,
+    inv_n,
+    eps,
+    CENTER: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    """``(y, offs, mask)``: the normalised rows of program ``pid`` (``BLOCK_R`` whole rows), in COMPUTE.
+
+    The one forward computation: the norm kernel stores ``y``; the norm + FP8 cast kernel
+    (:mod:`functe.kernels.norm_quantize`) quantizes it, so both produce the same bits.
+    """
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    offs = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
+    y, _ = normalize_rows(x, mask, inv_n, eps, CENTER)
+    if HAS_W:
+        y = y * _load_gamma(W, cols, col_mask, ZERO_CENTERED, COMPUTE)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
+    return y, offs, mask
+
+
+@jit
 def _norm_fwd_kernel(
     X,
     W,
@@ -100,17 +137,10 @@ def _norm_fwd_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    offs = rows[:, None] * n_cols + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
-    y, _ = normalize_rows(x, mask, inv_n, eps, CENTER)
-    if HAS_W:
-        y = y * _load_gamma(W, cols, col_mask, ZERO_CENTERED, COMPUTE)[None, :]
-    if HAS_B:
-        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
+    y, offs, mask = norm_fwd_tile(
+        X, W, B, tl.program_id(0), n_rows, n_cols, inv_n, eps,
+        CENTER, HAS_W, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE,
+    )  # fmt: skip
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 

@@ -32,8 +32,8 @@ import triton.language as tl
 from .._kernel import Kernel
 from ._common import as_rows, tl_compute_dtype
 from ._triton import jit
-from .norm import _inv_n, _load_gamma, _tiling, layer_norm_ref, normalize_rows, rms_norm_ref
-from .quantize import FP8_FORMATS, _storage, cast_amax_ref, encode_fp8, round_to_fp8, saturate, tile_amax
+from .norm import _inv_n, _tiling, layer_norm_ref, norm_fwd_tile, rms_norm_ref
+from .quantize import _storage, cast_amax_ref, encode_fp8, fp8_constexprs, round_to_fp8, saturate, tile_amax
 
 Tensor = torch.Tensor
 
@@ -67,16 +67,9 @@ def _norm_cast_kernel(
     COMPUTE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    offs = rows[:, None] * n_cols + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
-    y, _ = normalize_rows(x, mask, inv_n, eps, CENTER)
-    y = y * _load_gamma(W, cols, col_mask, ZERO_CENTERED, COMPUTE)[None, :]
-    if HAS_B:
-        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
+    y, offs, mask = norm_fwd_tile(
+        X, W, B, pid, n_rows, n_cols, inv_n, eps, CENTER, True, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE
+    )
     # What the unfused norm stores (x's dtype), then the quantizing kernel's fp32 arithmetic.
     v = tl.where(mask, y.to(X.dtype.element_ty).to(tl.float32), 0.0)
     col_max, col_nan = tile_amax(v, mask)
@@ -114,7 +107,6 @@ def norm_cast_amax(
     block_r, block_n, warps = _tiling(n_rows, n_cols)  # the norm kernels' tiling: the same reductions
     programs = triton.cdiv(n_rows, block_r)
     partial = torch.empty(programs, dtype=torch.float32, device=x.device)
-    fmt = FP8_FORMATS[qdtype]
     _norm_cast_kernel[(programs,)](
         rows,
         weight.contiguous(),
@@ -130,12 +122,7 @@ def norm_cast_amax(
         HAS_B=bias is not None,
         ZERO_CENTERED=zero_centered_gamma,
         WRITE=write,
-        MANT=fmt.mant,
-        BIAS=fmt.bias,
-        MIN_NORMAL=fmt.min_normal,
-        SUB_STEPS=fmt.sub_steps,
-        MAXV=fmt.max,
-        BITS=out_dtype in FP8_FORMATS,
+        **fp8_constexprs(qdtype, out_dtype),
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         COMPUTE=tl_compute_dtype(x.dtype),

@@ -207,6 +207,20 @@ def _quantize_kernel(
         tl.store(DB + pid_r * n_cols + cols, col_sum, mask=col_mask)
 
 
+def fp8_constexprs(qdtype: torch.dtype, out_dtype: torch.dtype) -> dict:
+    """The format constants a quantizing kernel takes (``MANT``, ``BIAS``, ``MIN_NORMAL``, ``SUB_STEPS``,
+    ``MAXV``) and ``BITS``: whether ``out_dtype`` is float8 (stored as bits, see :func:`encode_fp8`)."""
+    fmt = FP8_FORMATS[qdtype]
+    return {
+        "MANT": fmt.mant,
+        "BIAS": fmt.bias,
+        "MIN_NORMAL": fmt.min_normal,
+        "SUB_STEPS": fmt.sub_steps,
+        "MAXV": fmt.max,
+        "BITS": out_dtype in FP8_FORMATS,
+    }
+
+
 def _storage(q: Tensor) -> Tensor:
     """What a kernel writes through: float8 tensors as their u8 bits (see :func:`encode_fp8`)."""
     return q.view(torch.uint8) if q.dtype in FP8_FORMATS else q
@@ -231,7 +245,6 @@ def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, wr
         if dbias:
             db = torch.zeros(n_cols, dtype=x.dtype if dy is None else dy.dtype, device=x.device)
         return q, db, amax
-    fmt = FP8_FORMATS[qdtype]
     block_c = min(next_power_of_2(n_cols), 128)
     block_r = max(1, min(next_power_of_2(n_rows), 2048 // block_c))
     rows_per_program = max(triton.cdiv(n_rows, _PARTIAL_PROGRAMS), block_r)
@@ -262,12 +275,7 @@ def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, wr
         WRITE=write,
         ROUND=round_,
         CAST=cast,
-        MANT=fmt.mant,
-        BIAS=fmt.bias,
-        MIN_NORMAL=fmt.min_normal,
-        SUB_STEPS=fmt.sub_steps,
-        MAXV=fmt.max,
-        BITS=out_dtype in FP8_FORMATS,
+        **fp8_constexprs(qdtype, out_dtype),
         BLOCK_R=block_r,
         BLOCK_C=block_c,
     )
