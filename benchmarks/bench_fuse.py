@@ -1,20 +1,20 @@
 """Fusion executor benchmarks: per-call overhead, and the MLP block forward+backward.
 
 The block is TransformerEngine's LayerNormMLP shape: LayerNorm, Linear+bias, GELU (tanh),
-Linear+bias, residual add. The overhead table adds a block of native functe ops only
-(Linear+bias, constant scale, Linear+bias, residual add), which isolates the executor's own
-per-call cost from the opaque wrappers. Each case compares, in one run, the same computation in
+Linear+bias, residual add. The overhead table adds a block without the norm and the activation
+(Linear+bias, constant scale, Linear+bias, residual add). Each case compares, in one run, the same
+computation in
 
 * ``eager``: plain torch (``F.layer_norm``, ``F.linear``, ``F.gelu``, ``+``);
 * ``compile``: ``torch.compile`` of that code, gradients taken outside;
 * ``functe``: the block written with functe ops, unfused (every op its own custom_vjp);
 * ``fuse``: ``functe.fuse`` of the functe block (cached plan, forward and backward fusions).
 
-TODO(phase 2, after issue 3 lands): ``layer_norm`` and ``gelu`` below are ``functe.opaque``
-wrappers of the torch functions (differentiated with torch.func, which re-enters the autograd
-engine in the backward); switch them to ``functe.ops.layer_norm`` / ``functe.ops.gelu`` and
-re-run. On a CUDA machine everything runs on the GPU (the fused GEMMs still use torch.addmm
-until issue 6's Triton epilogues are merged).
+The functe block uses ``functe.ops.layer_norm`` and ``functe.ops.gelu``. In bf16 the fused plan
+puts fc1's bias and GELU into one GEMM epilogue, fc2's residual add into its GEMM, and the GELU
+backward with fc1's bias gradient into one pass; in fp32 the epilogue rule declines (TE's
+condition). On a CUDA machine everything runs on the GPU, the fused GEMMs as functe's Triton
+kernels (16-bit).
 
 Run: ``python -m benchmarks.bench_fuse`` (``--skip-large`` for the overhead table only).
 """
@@ -35,10 +35,6 @@ from ._harness import bench, machine, table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# TODO(phase 2): functe.ops.layer_norm(x, weight, bias) and functe.ops.gelu(x).
-layer_norm = functe.opaque(lambda x, g, b: F.layer_norm(x, (x.shape[-1],), g, b), name="layer_norm")
-gelu = functe.opaque(F.gelu)
-
 
 def mlp_torch(x, p):
     h = F.layer_norm(x, (x.shape[-1],), p["ln.weight"], p["ln.bias"])
@@ -47,8 +43,8 @@ def mlp_torch(x, p):
 
 
 def mlp_functe(x, p):
-    h = layer_norm(x, p["ln.weight"], p["ln.bias"])
-    h = gelu(ops.linear(h, p["fc1.weight"], p["fc1.bias"]), approximate="tanh")
+    h = ops.layer_norm(x, p["ln.weight"], p["ln.bias"])
+    h = ops.gelu(ops.linear(h, p["fc1.weight"], p["fc1.bias"]))
     return ops.linear(h, p["fc2.weight"], p["fc2.bias"]) + x
 
 

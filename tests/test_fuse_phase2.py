@@ -612,3 +612,17 @@ def test_compile_the_fused_bf16_block_with_autograd_outside():
         assert torch.equal(g, e)
     assert fused.trace_count == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_fp8_fusions_equal_the_unfused_program_on_both_backends(recipe, backend):
+    gen = torch.Generator().manual_seed(8)
+    args = _block_args((3,), 16, 32, BF16, recipe, gen)
+    program = lambda *a: block(*a, recipe=recipe, act="relu", kind="rms")
+    fused = functe.fuse(program, rules=RuleSet(r for r in DEFAULT_RULES if r.name != "backward_add_norm"))
+    fired = {r for s in fused.plan(*args).stats.values() for r in s.fired}
+    assert {"forward_norm_quantize", "forward_activation_quantize", "backward_fp8_linear_activation"} <= fired
+    ct = draw((3, 16), BF16, gen)
+    got, expected = _vjp_all(fused, args, ct), _vjp_all(functe.fuse(program, rules=RuleSet()), args, ct)
+    for i, (a, e) in enumerate(zip(_leaves(got), _leaves(expected))):
+        assert torch.equal(a, e), f"leaf {i} differs"

@@ -38,7 +38,7 @@ import triton.language as tl
 from .._errors import ShapeError
 from .._kernel import Kernel, Rowwise
 from ._common import as_rows, compute_dtype, tl_compute_dtype
-from ._fast import eager_cpu, parallel_chunks
+from ._fast import CHUNK_ELEMENTS, eager_cpu, parallel_chunks
 from ._triton import jit, next_power_of_2
 
 Tensor = torch.Tensor
@@ -499,6 +499,17 @@ def _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered, accum=None):
     acc_rows = None if accum is None else accum.reshape(rows.shape)
     n_rows, n = rows.shape
     gamma, beta = _gamma(weight, zero_centered, acc), torch.zeros(n, dtype=acc)
+    if 0 < rows.numel() <= CHUNK_ELEMENTS:
+        # One chunk: the same formula without scratch buffers and partial sums to combine (at small
+        # sizes each torch call costs microseconds; this path takes 6 instead of ~20).
+        xt, g = rows.to(acc), dy_rows.to(acc)
+        var, mean = torch.var_mean(xt, -1, correction=0, keepdim=True)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            g, xt, [n], mean, var.add_(eps).rsqrt_(), gamma, beta, [True, True, True]
+        )
+        if acc_rows is not None:
+            dx = dx.add_(acc_rows)
+        return dx.to(x.dtype).view(x.shape), dw.to(weight.dtype), db.to(x.dtype)
     dx = torch.empty_like(rows)
     dw_parts, db_parts = {}, {}
 
