@@ -22,7 +22,6 @@ Run: ``python -m benchmarks.bench_fuse`` (``--skip-large`` for the overhead tabl
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 import functe
 from functe import ops
 
-from ._harness import bench, machine, table
+from ._harness import machine, table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -113,16 +112,25 @@ def per_call(fn, *, calls: int = 200, rounds: int = 15) -> float:
     return best
 
 
-def cpu_seconds(fn, *, warmup: int = 1, reps: int = 3) -> float:
-    """Median CPU time of the whole process (all threads) per call of ``fn``."""
-    for _ in range(warmup):
-        fn()
-    samples = []
+def interleaved(steps: dict, *, reps: int) -> tuple[dict, dict]:
+    """Best-of-``reps`` wall and process-CPU seconds per step, the implementations timed in turn.
+
+    On a shared machine the other processes' load changes within seconds; timing the candidates
+    round-robin and keeping each one's best round compares them under the same conditions.
+    """
+    for step in steps.values():  # warm up (torch.compile compiles here)
+        step()
+    wall = {k: float("inf") for k in steps}
+    cpu = dict(wall)
     for _ in range(reps):
-        start = time.process_time()
-        fn()
-        samples.append(time.process_time() - start)
-    return statistics.median(samples)
+        for k, step in steps.items():
+            w, c = time.perf_counter(), time.process_time()
+            step()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            wall[k] = min(wall[k], time.perf_counter() - w)
+            cpu[k] = min(cpu[k], time.process_time() - c)
+    return wall, cpu
 
 
 def overhead() -> str:
@@ -148,12 +156,12 @@ def large(dtypes, reps: int) -> str:
         cot = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(1)).to(dtype=dtype, device=DEVICE)
         steps = {k: _fwd_bwd(f, x, p, cot) for k, f in implementations().items()}
         name = f"fwd+bwd {str(dtype).removeprefix('torch.')}"
-        wall.append((name, {k: bench(step, warmup=1, reps=reps) for k, step in steps.items()}))
-        if DEVICE == "cpu":
-            cpu.append((name, {k: cpu_seconds(step, reps=reps) for k, step in steps.items()}))
-    title = "MLP block forward+backward (4096 tokens, 1024 hidden, 4096 ffn)"
+        w, c = interleaved(steps, reps=reps)
+        wall.append((name, w))
+        cpu.append((name, c))
+    title = f"MLP block forward+backward (4096 tokens, 1024 hidden, 4096 ffn), best of {reps} interleaved rounds"
     tables = [table(f"{title}, wall time", wall, baseline="eager")]
-    if cpu:
+    if DEVICE == "cpu":
         tables.append(table(f"{title}, process CPU time", cpu, baseline="eager"))
     return "\n\n".join(tables)
 
@@ -161,7 +169,7 @@ def large(dtypes, reps: int) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-large", action="store_true", help="only the per-call overhead table")
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions of the large case")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds of the large case")
     args = parser.parse_args()
     print(machine())
     print()

@@ -393,7 +393,19 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
 
     function = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
-    apply = function.apply
+    # autograd.Function.apply's Python layer binds arguments and unwraps dead torch.func wrappers,
+    # one generator step per argument; this node is used only when no transform is active, so it
+    # calls the C implementation directly unless an argument is a (dead) wrapper.
+    checked_apply = function.apply
+    c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+    def apply(*tensors):
+        for t in tensors:
+            if is_wrapped(t):
+                return checked_apply(*tensors)
+        return c_apply(*tensors)
+
     if single:
         return lambda *tensors: apply(*tensors)[0]
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import functe
 from functe import ops
 from functe._tree import tree_unflatten
-from functe.ops import _fused
+from functe.ops import _fused, _fused_fp8
 from functe.rules import DEFAULT_RULES, RuleSet, check, rewrite
 from functe.rules.activation import BACKWARD_ACTIVATION_BIAS, FORWARD_LINEAR_BIAS_ACTIVATION
 from functe.testing import assert_close
@@ -343,12 +343,8 @@ def test_every_phase2_rule_on_both_backends(backend):
 )
 def test_rules_check_on_the_new_rules(lead, k, n, dtype, act, seed):
     x, w, b = torch.empty(*lead, k, dtype=dtype), torch.empty(n, k, dtype=dtype), torch.empty(n, dtype=dtype)
-    check(
-        BACKWARD_ACTIVATION_BIAS,
-        (x[..., :1].expand(*lead, n).contiguous(), b),
-        fn=lambda h, b: bias_act(h, b, act=act),
-        seed=seed,
-    )
+    h = torch.empty(*lead, n, dtype=dtype)
+    check(BACKWARD_ACTIVATION_BIAS, (h, b), fn=lambda h, b: bias_act(h, b, act=act), seed=seed)
     if dtype != torch.float32:
         check(FORWARD_LINEAR_BIAS_ACTIVATION, (x, w, b), fn=lambda x, w, b: linear_act(x, w, b, act=act), seed=seed)
 
@@ -626,3 +622,101 @@ def test_fp8_fusions_equal_the_unfused_program_on_both_backends(recipe, backend)
     got, expected = _vjp_all(fused, args, ct), _vjp_all(functe.fuse(program, rules=RuleSet()), args, ct)
     for i, (a, e) in enumerate(zip(_leaves(got), _leaves(expected))):
         assert torch.equal(a, e), f"leaf {i} differs"
+
+
+# ----------------------------------------------------------------------------- the fused ops on their own
+
+
+def _standalone_cases(dtype):
+    gen = torch.Generator().manual_seed(11)
+    x, w, b, g, beta = (
+        draw((5, 8), dtype, gen),
+        draw((6, 8), dtype, gen),
+        draw((6,), dtype, gen),
+        draw((8,), dtype, gen),
+        draw((8,), dtype, gen),
+    )
+    h = draw((5, 6), dtype, gen)
+    yield (
+        "forward_linear_activation",
+        lambda x, w, b: _fused.forward_linear_activation(x, w, b, activation="silu", bias_op=False),
+        lambda x, w, b: linear_act(x, w, b, act="silu"),
+        (x, w, b),
+    )
+    yield (
+        "forward_linear_activation bias_op",
+        lambda x, w, b: _fused.forward_linear_activation(x, w, b, activation="relu", bias_op=True),
+        lambda x, w, b: linear_bias_op_act(x, w, b, act="relu"),
+        (x, w, b),
+    )
+    yield (
+        "backward_linear_activation",
+        lambda x, w, b: _fused.backward_linear_activation(x, w, b, activation="gelu"),
+        linear_act,
+        (x, w, b),
+    )
+    yield (
+        "backward_activation_bias",
+        lambda h, b: _fused.backward_activation_bias(h, b, activation="silu"),
+        bias_act,
+        (h, b),
+    )
+    for kind in ("layer", "rms"):
+        yield (
+            f"backward_add_norm {kind}",
+            lambda x, g, beta, kind=kind: _fused.backward_add_norm(
+                x, g, beta if kind == "layer" else None, kind=kind, eps=1e-5, zero_centered_gamma=False
+            )[::-1],
+            lambda x, g, beta, kind=kind: add_norm(x, g, beta, kind=kind),
+            (x, g, beta),
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_every_fused_op_is_an_op_of_its_own(dtype):
+    for name, fused_op, unfused, args in _standalone_cases(dtype):
+        out, pull = torch.func.vjp(fused_op, *args)
+        ref, pull_ref = torch.func.vjp(unfused, *args)
+        cts = tuple(torch.randn_like(o) for o in out) if isinstance(out, tuple) else torch.randn_like(out)
+        for a, e in zip(functe.tree_leaves((out, pull(cts))), functe.tree_leaves((ref, pull_ref(cts)))):
+            assert (a is None) == (e is None), name
+            if a is not None:
+                assert_close(a, e, dtype=torch.float16 if dtype == torch.float32 else dtype, msg=name)
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_every_fused_fp8_op_is_an_op_of_its_own(recipe):
+    gen = torch.Generator().manual_seed(12)
+    x, g, beta, w1, b1, w2, _, s1, s2 = _block_args((5,), 16, 16, torch.float32, recipe, gen)
+    cases = [
+        (
+            lambda x, g, beta, w, b, s: _fused_fp8.forward_norm_fp8_linear(
+                x, g, beta, w, b, s, kind="layer", eps=1e-5, zero_centered_gamma=False, recipe=recipe
+            ),
+            lambda x, g, beta, w, b, s: ops.fp8_linear(ops.layer_norm(x, g, beta), w, b, s, recipe=recipe),
+            (x, g, beta, w1, b1, s1),
+        ),
+        (
+            lambda x, w, b, s: _fused_fp8.forward_activation_fp8_linear(
+                x, w, b, s, name="gelu", limit=0.0, alpha=0.0, offset=0.0, recipe=recipe
+            ),
+            lambda x, w, b, s: ops.fp8_linear(ops.gelu(x), w, b, s, recipe=recipe),
+            (x, w2, None, s2),
+        ),
+        (
+            lambda x, w, b, s: _fused_fp8.backward_fp8_linear_activation(
+                x, w, b, s, None, activation="relu", recipe=recipe
+            ),
+            lambda x, w, b, s: ops.relu(ops.fp8_linear(x, w, b, s, recipe=recipe)),
+            (x, w1, b1, s1),
+        ),
+    ]
+    for fused_op, unfused, args in cases:
+        ct = torch.randn(5, 16)
+        got, expected = _vjp_all(fused_op, list(args), ct), _vjp_all(unfused, list(args), ct)
+        for a, e in zip(_leaves(got), _leaves(expected)):
+            assert torch.equal(a, e)
+    with pytest.raises(functe.RecipeError, match="per-tensor recipes only"):
+        _fused_fp8.forward_activation_fp8_linear(
+            x, w2, None, None, name="gelu", limit=0.0, alpha=0.0, offset=0.0, recipe=MXFP8
+        )

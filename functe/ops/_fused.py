@@ -75,9 +75,9 @@ def _forward_linear_add_fwd(x, weight, bias, extra, *, scale, bias_op):
     s = 1.0 if scale is None else scale
     lin = _linear_residuals(x, weight, bias is not None and not bias_op)
     res = (lin, *([None] * (1 + bias_op + (scale is not None))))
-    if triton_gemm(x):
-        # One kernel: y = extra + (s·x·Wᵀ + bias), one rounding (the scale rule declines a bias, so
-        # bias and scale never meet).
+    if triton_gemm(x) and (bias is None or scale is None):
+        # One kernel: y = extra + (s·x·Wᵀ + bias), one rounding. (The epilogue adds the bias after
+        # alpha, so a scaled bias takes the path below; the scale rule declines biased linears.)
         return GEMM(x, weight, bias, extra, s), res
     if bias is None:
         # y = s·x·Wᵀ + extra: the GEMM accumulates into the residual (beta = 1, alpha = s), one rounding.
