@@ -720,3 +720,54 @@ def test_every_fused_fp8_op_is_an_op_of_its_own(recipe):
         _fused_fp8.forward_activation_fp8_linear(
             x, w2, None, None, name="gelu", limit=0.0, alpha=0.0, offset=0.0, recipe=MXFP8
         )
+
+
+# ----------------------------------------------------------------------------- no host synchronisation; CUDA graphs
+
+
+def test_cached_phase2_calls_never_read_tensor_data_on_the_host():
+    from test_fuse import _SyncRecorder
+
+    gen = torch.Generator().manual_seed(9)
+    for recipe, dtype in [(None, BF16), (DELAYED, BF16), (CURRENT, torch.float32)]:
+        args = _block_args((4,), 16, 32, dtype, recipe, gen)
+        args[:7] = [a.requires_grad_() for a in args[:7]]
+        fused = functe.fuse(lambda *a, recipe=recipe: block(*a, recipe=recipe, act="gelu"))
+        tensors = args[:7]
+        torch.autograd.grad(fused(*args).float().sum(), tensors)  # trace and plan
+        recorder = _SyncRecorder()
+        with recorder:
+            out = fused(*args)
+            torch.autograd.grad(out, tensors, torch.ones_like(out))
+            with torch.no_grad():
+                fused(*args)
+        assert recorder.seen == [], recipe
+        assert fused.trace_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [None, DELAYED], ids=["bf16", "fp8-delayed"])
+def test_cuda_graph_capture_of_a_fused_training_step(recipe):
+    """The bf16 block (epilogue, dact prologue/wgrad+dbias, add+norm) or its FP8 version (q-in, dact+dbias+cast)
+    captured whole in one CUDA graph: possible only without host synchronisation."""
+    gen = torch.Generator().manual_seed(10)
+    args = _block_args((256,), 256, 1024, BF16, recipe, gen)
+    args = [None if a is None else functe.tree_map(lambda t: t.cuda(), a) for a in args]
+    params = [a.requires_grad_() for a in args[:7]]
+    fused = functe.fuse(lambda *a: block(*a, recipe=recipe))
+    loss = lambda: fused(*params, *args[7:]).float().square().sum()
+    expected = torch.autograd.grad(loss(), params)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm up (Triton compilation and autotuning, allocator) off the capture stream
+            torch.autograd.grad(loss(), params)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = torch.autograd.grad(loss(), params)
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, e in zip(grads, expected):
+        assert_close(g, e)
+    assert fused.trace_count == 1
