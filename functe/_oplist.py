@@ -234,10 +234,17 @@ def _param_text(value: Any) -> str:
         fields = [
             f"{f.name}={_param_text(getattr(value, f.name))}"
             for f in dataclasses.fields(value)
-            if f.repr and getattr(value, f.name) != f.default
+            if f.repr and _differs(getattr(value, f.name), f.default)
         ]
         return f"{type(value).__name__}({', '.join(fields)})"
     return repr(value)
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except Exception:  # (a value whose comparison is not a bool, e.g. a tensor: print it)
+        return True
 
 
 def _op_names(eqns: Iterable[Eqn]) -> dict[Any, str]:

@@ -771,3 +771,26 @@ def test_cuda_graph_capture_of_a_fused_training_step(recipe):
     for g, e in zip(grads, expected):
         assert_close(g, e)
     assert fused.trace_count == 1
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_fp8_fusions_on_the_native_fp8_gemm_path(recipe, monkeypatch):
+    """The GPU's FP8 path (float8 storage, torch._scaled_mm), run on the CPU as test_fp8_linear does:
+    the fused ops feed float8 operands from their own kernels and equal the unfused program."""
+    from functe import _fp8_gemm
+
+    gen = torch.Generator().manual_seed(13)
+    args = _block_args((16,), 32, 64, BF16, recipe, gen)  # every GEMM dim a multiple of 16
+    program = lambda *a: block(*a, recipe=recipe, act="gelu")
+    ct = draw((16, 32), BF16, gen)
+    monkeypatch.setattr(_fp8_gemm, "_native_device", lambda device: True)
+    real, operands = torch._scaled_mm, []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: operands.append(a[0].dtype) or real(*a, **k))
+    fused = functe.fuse(program, rules=RuleSet(r for r in DEFAULT_RULES if r.name != "backward_add_norm"))
+    fused.plan(*args)  # (tracing runs the forward rules on meta tensors)
+    operands.clear()
+    got = _vjp_all(fused, args, ct)
+    assert len(operands) == 6 and set(operands) == {torch.float8_e4m3fn, torch.float8_e5m2}
+    expected = _vjp_all(functe.fuse(program, rules=RuleSet()), args, ct)
+    for i, (a, e) in enumerate(zip(_leaves(got), _leaves(expected))):
+        assert torch.equal(a, e), f"leaf {i} differs"
