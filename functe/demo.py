@@ -85,21 +85,27 @@ def make_data(key: int, n: int):
 
 def train(steps: int = 200, log_every: int = 25) -> list[float]:
     """Train the MLP and return the logged losses."""
-    params = init_params(0)
+    losses, _ = _train_loop(loss_fn, init_params(0), steps, log_every)
+    return losses
+
+
+def _train_loop(loss, params, steps: int, log_every: int) -> tuple[list[float], float]:
+    """Adam steps of ``torch.func.grad_and_value(loss)`` on the synthetic task: (logged losses, seconds)."""
     opt = adam_init(params)
     x_all, y_all = make_data(1, 4096)
-    value_and_grad = torch.func.grad_and_value(loss_fn)
+    value_and_grad = torch.func.grad_and_value(loss)
     losses = []
     start = time.perf_counter()
     for step in range(steps + 1):
         idx = torch.arange(step * BATCH, (step + 1) * BATCH) % x_all.shape[0]
-        grads, loss = value_and_grad(params, x_all[idx], y_all[idx])
+        grads, value = value_and_grad(params, x_all[idx], y_all[idx])
         params, opt = adam_update(params, grads, opt)
         if step % log_every == 0:
-            losses.append(loss.item())
-            print(f"  step {step:4d}  loss {loss.item():.4f}")
-    print(f"  {steps} steps in {time.perf_counter() - start:.2f} s")
-    return losses
+            losses.append(value.item())
+            print(f"  step {step:4d}  loss {value.item():.4f}")
+    seconds = time.perf_counter() - start
+    print(f"  {steps} steps in {seconds:.2f} s")
+    return losses, seconds
 
 
 # ----------------------------------------------------------------------------- 2) FP8
@@ -182,20 +188,10 @@ def block_loss_fn(params, x, y):
 def train_fused(steps: int = 60, log_every: int = 20) -> list[float]:
     """Explain the fused block once, then train it; return the logged losses."""
     params = init_block_params(0)
-    opt = adam_init(params)
-    x_all, y_all = make_data(1, 4096)
+    x_all, _ = make_data(1, 4096)
     functe.explain(mlp_block, {k: v for k, v in params.items() if k != "head.weight"}, x_all[:BATCH])
-    value_and_grad = torch.func.grad_and_value(block_loss_fn)
-    losses = []
-    start = time.perf_counter()
-    for step in range(steps + 1):
-        idx = torch.arange(step * BATCH, (step + 1) * BATCH) % x_all.shape[0]
-        grads, loss = value_and_grad(params, x_all[idx], y_all[idx])
-        params, opt = adam_update(params, grads, opt)
-        if step % log_every == 0:
-            losses.append(loss.item())
-            print(f"  step {step:4d}  loss {loss.item():.4f}")
-    print(f"  {steps} steps in {time.perf_counter() - start:.2f} s (traced {mlp_block.trace_count}x)")
+    losses, _ = _train_loop(block_loss_fn, params, steps, log_every)
+    print(f"  (the block was traced {mlp_block.trace_count}x)")
     return losses
 
 

@@ -14,4 +14,4 @@ def test_fused_block_demo_explains_and_trains(capsys):
     assert losses[-1] < 0.6 * losses[0]
     out = capsys.readouterr().out
     assert "fired: backward_linear_bias_activation x1, backward_add_norm x1" in out
-    assert "declined: forward_linear_bias_activation" in out and "(traced 1x)" in out
+    assert "declined: forward_linear_bias_activation" in out and "traced 1x" in out
