@@ -56,17 +56,50 @@ def _fwd(x, weight, bias, state, *, recipe, parallel=None):
     x2 = x.reshape(-1, x.shape[-1])
     lead = gathered_shape(x.shape[:-1], parallel)  # tensor parallelism: functe/_parallel.py
     native = native_ok(x2, weight, dims=(math.prod(lead), weight.shape[0], x2.shape[1]))
-    delayed = isinstance(recipe, DelayedScaling)
-    scale_x, scale_w = (state.input.scale, state.weight.scale) if delayed else (None, None)
+    scale_x = state.input.scale if isinstance(recipe, DelayedScaling) else None
     xq, xq_gemm, sx, amax_x = cast_input(
         "fp8_linear", x2, recipe, scale_x, _store(recipe, "input", x, native), parallel
     )
-    wq, sw, amax_w = cast(weight, recipe, "weight", scale_w, _store(recipe, "weight", x, native))
+    return forward_quantized(
+        xq,
+        sx,
+        amax_x,
+        x.shape,
+        x.dtype,
+        weight,
+        bias,
+        state,
+        recipe=recipe,
+        native=native,
+        parallel=parallel,
+        xq_gemm=xq_gemm,
+    )
+
+
+def forward_quantized(
+    xq, sx, amax_x, x_shape, dtype, weight, bias, state, *, recipe, native, parallel=None, xq_gemm=None
+):
+    """The forward rule after the input cast: ``(y, residuals)`` from ``xq`` (2-D, quantized with scale ``sx``).
+
+    Fused ops that produce the quantized input themselves (norm + cast, activation + cast: q-in) call
+    this, so their residuals are exactly the ones the backward rule expects. ``xq_gemm`` is the GEMM
+    operand when it differs from the saved ``xq`` (column + sequence parallel gathers it).
+    """
+    delayed = isinstance(recipe, DelayedScaling)
+    scale_w = state.weight.scale if delayed else None
+    wq, sw, amax_w = cast(weight, recipe, "weight", scale_w, _store(recipe, "weight", xq, native, dtype))
     sinv_x, sinv_w = torch.reciprocal(sx), torch.reciprocal(sw)
     y = gemm_nt(
-        xq_gemm, sinv_x, wq, sinv_w, out_dtype=x.dtype, bias=gemm_bias(bias, parallel), native=native, fast_accum=True
+        xq if xq_gemm is None else xq_gemm,
+        sinv_x,
+        wq,
+        sinv_w,
+        out_dtype=dtype,
+        bias=gemm_bias(bias, parallel),
+        native=native,
+        fast_accum=True,
     )
-    y = reduce_output("fp8_linear", y.reshape(*lead, weight.shape[0]), bias, parallel)
+    y = reduce_output("fp8_linear", y.reshape(*gathered_shape(x_shape[:-1], parallel), weight.shape[0]), bias, parallel)
     next_states = None
     if delayed:
         amax_x, amax_w = reduce_amax("fp8_linear", (amax_x, amax_w), parallel)
@@ -75,45 +108,62 @@ def _fwd(x, weight, bias, state, *, recipe, parallel=None):
             delayed_scaling_update(state.weight, amax_w, recipe=recipe, role="weight"),
             state.grad_output,
         )
-    residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x.shape, x.dtype)
+    residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x_shape, dtype)
     return y, residuals
 
 
-def _store(recipe: Recipe, role: str, like: Tensor, native: bool) -> torch.dtype:
-    """Storage of quantized operands: float8 for the native GEMM, its compute dtype otherwise."""
-    return recipe.dtype(role) if native else compute_dtype(like.dtype)
+def _store(recipe: Recipe, role: str, like: Tensor, native: bool, dtype: torch.dtype | None = None) -> torch.dtype:
+    """Storage of quantized operands: float8 for the native GEMM, its compute dtype (of ``dtype``,
+    default ``like``'s) otherwise."""
+    return recipe.dtype(role) if native else compute_dtype(like.dtype if dtype is None else dtype)
 
 
 def _bwd(res, dy, *, recipe, parallel=None):
     if isinstance(recipe, MXFP8BlockScaling):
         return _mx_bwd(res, dy, recipe, parallel)
-    xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype = res
     # column+sp gathers the saved FP8 input again (as TE), row+sp gathers dy (high precision)
-    xq, dy = gather_input("fp8_linear", xq, parallel), gather_grad_output("fp8_linear", dy, parallel)
+    res = (gather_input("fp8_linear", res[0], parallel), *res[1:])
+    dy = gather_grad_output("fp8_linear", dy, parallel)
     dy2 = dy.reshape(-1, dy.shape[-1])
-    if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1])):
-        native = False  # (not expected: same device and dims) decode the saved FP8 operands for the emulation
-        xq, wq = xq.to(compute_dtype(dtype)), wq.to(compute_dtype(dtype))
-    store = _store(recipe, "grad_output", dy, native)
-    go_state = next_states[2] if next_states is not None else None
-    go_scale = go_state.scale if go_state is not None else None
-    if has_bias:
+    res, store, go_scale = grad_output_setup(res, dy2, recipe)
+    if res[5]:  # has_bias
         dyq, dbias, sdy, amax_dy = cast_dbias(dy2, recipe, "grad_output", go_scale, store)
     else:
         (dyq, sdy, amax_dy), dbias = cast(dy2, recipe, "grad_output", go_scale, store), None
+    dx, dw, state_ct = backward_quantized(res, dyq, sdy, amax_dy, recipe=recipe, parallel=parallel)
+    return dx, dw, dbias, state_ct
+
+
+def grad_output_setup(res, dy2, recipe):
+    """Before the grad-output cast: ``(residuals, storage dtype of dy_q, grad_output scale or None)``."""
+    xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype = res
+    if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1])):
+        native = False  # (not expected: same device and dims) decode the saved FP8 operands for the emulation
+        xq, wq = xq.to(compute_dtype(dtype)), wq.to(compute_dtype(dtype))
+        res = (xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype)
+    go_state = next_states[2] if next_states is not None else None
+    return res, _store(recipe, "grad_output", dy2, native), go_state.scale if go_state is not None else None
+
+
+def backward_quantized(res, dyq, sdy, amax_dy, *, recipe, parallel=None):
+    """The backward rule after the grad-output cast: ``(dx, dW, state cotangent)``.
+
+    Fused ops that quantize dy themselves (activation backward + dbias + cast) call this.
+    """
+    xq, sinv_x, wq, sinv_w, next_states, _, native, x_shape, dtype = res
     sinv_dy = torch.reciprocal(sdy)
     dx = gemm_nt(dyq, sinv_dy, wq.t(), sinv_w, out_dtype=dtype, native=native)
     dw = gemm_nt(dyq.t(), sinv_dy, xq.t(), sinv_x, out_dtype=dtype, native=native)
     state_ct = None
     if next_states is not None:
-        new_in, new_w, _ = next_states
+        new_in, new_w, go_state = next_states
         (amax_dy,) = reduce_amax("fp8_linear", (amax_dy,), parallel)
         new_go = delayed_scaling_update(go_state, amax_dy, recipe=recipe, role="grad_output")
         state_ct = LinearScalingState(
             input=as_cotangent(new_in), weight=as_cotangent(new_w), grad_output=as_cotangent(new_go)
         )
     dx = reduce_grad_input("fp8_linear", dx.reshape(gathered_shape(x_shape, parallel)), parallel)
-    return dx, dw, dbias, state_ct
+    return dx, dw, state_ct
 
 
 # ----------------------------------------------------------------------------- MXFP8

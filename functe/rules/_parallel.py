@@ -67,6 +67,21 @@ def backward_parallel_reason(m: Match) -> str | None:
     return None
 
 
+def any_parallel_reason(m: Match) -> str | None:
+    """Why a fusion around a tensor-parallel FP8 linear declines, in either phase.
+
+    The fused FP8 ops (q-in casts, dact + dbias + cast) call the linear's quantized forward or
+    backward directly, which neither reduces amaxes across ranks (TE's reduce_amax) nor
+    communicates activations, so any tensor-parallel mode keeps the unfused ops.
+    """
+    for eqn, p in _parallel_linears(m):
+        return (
+            f"{p.mode} tensor-parallel {eqn.name}: the fused FP8 op neither reduces amaxes across ranks "
+            "nor communicates, so the linear keeps its own rules"
+        )
+    return None
+
+
 def first_reason(*conditions: Callable[[Match], str | None]) -> Callable[[Match], str | None]:
     """A condition declining with the first reason any of ``conditions`` gives."""
 
