@@ -229,8 +229,9 @@ def _param_text(value: Any) -> str:
         return dtype_name(value)
     if isinstance(value, enum.Enum):
         return value.name
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if _generated_repr(value):
         # Configuration values (recipes) print their non-default fields only: readable printouts.
+        # A dataclass that writes its own __repr__ (e.g. LinearParallelism) prints with it.
         fields = [
             f"{f.name}={_param_text(getattr(value, f.name))}"
             for f in dataclasses.fields(value)
@@ -238,6 +239,13 @@ def _param_text(value: Any) -> str:
         ]
         return f"{type(value).__name__}({', '.join(fields)})"
     return repr(value)
+
+
+def _generated_repr(value: Any) -> bool:
+    """A dataclass instance whose ``__repr__`` is the one ``dataclasses`` generated (it wraps a helper)."""
+    return (
+        dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(type(value).__repr__, "__wrapped__")
+    )
 
 
 def _differs(value: Any, default: Any) -> bool:
