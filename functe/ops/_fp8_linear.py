@@ -22,10 +22,11 @@ from .._errors import check_same_device, check_same_dtype, check_tensor, describ
 from .._fp8_gemm import compute_dtype, gemm_nt, native_ok
 from .._fp8_state import LinearScalingState, as_cotangent, check_linear_state, delayed_scaling_update
 from .._quantize import QUANTIZABLE, cast, cast_dbias
-from .._recipe import DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
+from .._recipe import BLOCK_RECIPES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .._vjp import custom_vjp
 from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST
+from ._block_linear import block_linear
 
 Tensor = torch.Tensor
 
@@ -128,7 +129,7 @@ _fp8_linear = custom_vjp("fp8_linear", _fwd, _bwd)
 
 
 def fp8_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearScalingState | None, *, recipe: Recipe
+    x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearScalingState | None, *, recipe: Recipe, seed=None
 ) -> Tensor:
     """``y = x @ weight.T + bias`` with FP8 operands (TransformerEngine's quantized linear).
 
@@ -143,7 +144,12 @@ def fp8_linear(
         state: the :class:`functe.LinearScalingState` under :class:`functe.DelayedScaling`, passed
             *directly* (no op in between: its cotangent is its next value); ``None`` for the
             stateless :class:`functe.CurrentScaling` and :class:`functe.MXFP8BlockScaling`.
-        recipe: the quantization recipe (keyword-only, static).
+        recipe: the quantization recipe (keyword-only, static). The block recipes
+            :class:`functe.Float8BlockScaling` and :class:`functe.NVFP4BlockScaling` run in
+            :mod:`functe.ops._block_linear` (``docs/block_scaling.md``).
+        seed: NVFP4 only (ignored by the deterministic recipes): a Python int or ``i64[]`` tensor,
+            the random bits of the Hadamard transform and stochastic rounding. Pass a new seed
+            each step; required unless the recipe disables both.
 
     Returns:
         ``[..., out_features]`` in ``x``'s dtype. The next state comes back through the gradient:
@@ -176,4 +182,6 @@ def fp8_linear(
         check_same_dtype("fp8_linear", "bias", bias, x, "x")
     check_linear_state("fp8_linear", state, recipe)
     check_same_device("fp8_linear", {"x": x, "weight": weight, "bias": bias})
+    if isinstance(recipe, BLOCK_RECIPES):
+        return block_linear(x, weight, bias, recipe=recipe, seed=seed)
     return _fp8_linear(x, weight, bias, state, recipe=recipe)

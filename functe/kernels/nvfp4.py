@@ -1,0 +1,334 @@
+"""NVFP4 kernels: E2M1 values with E4M3 block scales and an fp32 tensor scale, fused with activations.
+
+TransformerEngine's NVFP4 quantization (``custom_recipes/reference_nvfp4.py``), for a tensor whose
+largest magnitude ``amax`` was measured in a first pass (:func:`functe.kernels.quantize.cast_amax`
+or ``act_cast_amax`` with ``write=False``)::
+
+    global_encode = 448·6 / amax       (FLT_MAX instead of inf; 1 instead of 0, i.e. for an infinite amax)
+    global_decode = 1 / global_encode
+    s   = e4m3(clamp(block_amax · (global_encode · fp32(1/6)), 448))     per block of 1x16 or 16x16 values
+    enc = min(1 / (s · global_decode), FLT_MAX)
+    q   = e2m1(clamp(v · enc, ±6))          dequantized: q · s · global_decode
+
+E2M1 magnitudes are 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0-7, bit 3 the sign). Rounding is to the
+nearest value, ties to even, or *stochastic*: up with probability ``(|v| − lo) / (hi − lo)``
+between the two neighbours, the coin a 24-bit uniform from the counter-based hash of
+:mod:`functe.kernels.hadamard` (element index in the quantized tensor, explicit seed).
+
+Outputs: ``scales`` as ``float8_e4m3fn`` (``[..., ceil(K/16)]`` for 1x16 blocks,
+``[ceil(M/16), ceil(K/16)]`` for 16x16), and ``q`` either packed (``out_dtype=torch.uint8``,
+two codes per byte, element ``2i`` in the low nibble, ``K`` even) or, for the GEMM emulation, the
+partially dequantized values ``q · s`` in a float dtype (exact in bf16: at most 6 significant
+bits); the caller applies ``global_decode`` after the GEMM, as the tensor cores' alpha does.
+
+Special values (TE's reference behaves the same): a NaN makes the amax NaN and so every scale
+NaN: the whole tensor dequantizes to NaN (E2M1 itself has no NaN; a NaN's code is 0). An infinite
+amax makes ``global_encode`` 1: infinities saturate to ±6·448.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._kernel import Kernel
+from ._triton import jit, next_power_of_2
+from .block_quantize import _MODE_ACT, _MODE_CAST, FLT_MAX, act_layout, act_value, act_value_ref, nan_max, rows_2d
+from .dropout import seed_key
+from .hadamard import random_bits, random_bits_ref, uniform24, uniform24_ref
+from .quantize import encode_fp8, round_to_fp8, saturate
+
+Tensor = torch.Tensor
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+ONE_SIXTH = 0.16666667163372040  # fp32(1/6), TE's torch.reciprocal(6.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+# ----------------------------------------------------------------------------- Triton device functions
+
+
+@jit
+def round_e2m1(v):
+    """``v`` (|v| <= 6, or NaN) rounded to the nearest E2M1 value, ties to even, sign kept."""
+    return round_to_fp8(v, 1, 1.0, 2.0)
+
+
+@jit
+def stochastic_e2m1(v, u):
+    """``v`` (|v| <= 6, or NaN) rounded up in magnitude if ``u < (|v| − lo) / (hi − lo)`` (stochastic rounding).
+
+    ``lo`` is ``|v|`` truncated to the grid: multiples of 0.5 below 1, else one mantissa bit; the
+    step ``hi − lo`` is a power of two, so the fraction is exact.
+    """
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    lo = tl.where(a < 1.0, (a * 2.0).to(tl.int32).to(tl.float32) * 0.5, (bits & -4194304).to(tl.float32, bitcast=True))
+    exp = (bits >> 23) & 0xFF
+    step = tl.where(a < 1.0, 0.5, ((exp - 1) << 23).to(tl.float32, bitcast=True))
+    inv_step = tl.where(a < 1.0, 2.0, ((255 - exp) << 23).to(tl.float32, bitcast=True))
+    q = tl.where(u < (a - lo) * inv_step, lo + step, lo)
+    q = tl.where(v < 0, -q, q)
+    return tl.where(v != v, v, q)
+
+
+@jit
+def encode_e2m1(q):
+    """The 4-bit code (int32) of an E2M1 grid value (sign in bit 3; NaN -> 0)."""
+    a = tl.abs(q)
+    mag = tl.where(a < 2.0, a * 2.0, tl.where(a < 4.0, a + 2.0, a * 0.5 + 4.0)).to(tl.int32)
+    code = mag | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+    return tl.where(q != q, 0, code)
+
+
+@jit
+def global_scales(amax):
+    """(global_encode, global_decode) from the tensor's amax (TE's reference)."""
+    enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
+    enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)  # keeps NaN
+    enc = tl.where(enc == 0.0, 1.0, enc)
+    return enc, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), enc)
+
+
+@jit
+def nvfp4_block_scales(block_amax, global_encode, global_decode):
+    """(s: the E4M3 block decode scale as fp32, enc: the element encode scale) per block."""
+    d = block_amax * (global_encode * 0.16666667163372040)
+    d = saturate(tl.where(d > FLT_MAX, FLT_MAX, d), 448.0)
+    s = round_to_fp8(d, 3, 0.015625, 512.0)  # E4M3, round to nearest even
+    enc = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * global_decode)
+    return s, tl.where(enc > FLT_MAX, FLT_MAX, enc)
+
+
+@jit
+def _quantize_half(v, enc, s, key, index, STOCHASTIC: tl.constexpr):
+    """Scaled, clamped, rounded E2M1 values of one half (even or odd lanes) of a tile."""
+    w = saturate(v * enc[:, None, :, None], 6.0)
+    if STOCHASTIC:
+        return stochastic_e2m1(w, uniform24(random_bits(key, index)))
+    return round_e2m1(w)
+
+
+@jit
+def _nvfp4_kernel(
+    X,
+    AMAX,
+    SEED,
+    Q,
+    S,
+    n_rows,
+    n_cols,
+    n_blocks,
+    x_row_stride,
+    limit,
+    alpha,
+    offset,
+    MODE: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    CLAMPED: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_RB: tl.constexpr,
+    BLOCK_CB: tl.constexpr,
+):
+    # Program (i, j): BLOCK_RB scaling blocks of TILE_ROWS rows x BLOCK_CB blocks of 16 columns, as
+    # 4-D tiles [block row, row in block, block column, pair in block]; even and odd lanes are
+    # loaded separately, so a pair's two codes meet in one byte without shuffles.
+    rb = tl.program_id(0).to(tl.int64) * BLOCK_RB + tl.arange(0, BLOCK_RB)
+    cb = tl.program_id(1) * BLOCK_CB + tl.arange(0, BLOCK_CB)
+    rows = (rb[:, None] * TILE_ROWS + tl.arange(0, TILE_ROWS)[None, :])[:, :, None, None]
+    even = (cb[:, None] * 16 + 2 * tl.arange(0, 8)[None, :])[None, None, :, :]
+    mask_e = (rows < n_rows) & (even < n_cols)
+    mask_o = (rows < n_rows) & (even + 1 < n_cols)
+    offs = rows * x_row_stride + even
+    ve = act_value(X, offs, mask_e, n_cols, limit, alpha, offset, MODE, ACT, GATED, CLAMPED)
+    vo = act_value(X, offs + 1, mask_o, n_cols, limit, alpha, offset, MODE, ACT, GATED, CLAMPED)
+    a_e = nan_max(nan_max(ve, 3), 1)
+    a_o = nan_max(nan_max(vo, 3), 1)
+    block_amax = tl.where((a_e != a_e) | (a_e > a_o), a_e, a_o)
+    ge, gd = global_scales(tl.load(AMAX).to(tl.float32))
+    s, enc = nvfp4_block_scales(block_amax, ge, gd)
+    key = seed_key(tl.load(SEED))
+    index = rows * n_cols + even
+    qe = _quantize_half(ve, enc, s, key, index, STOCHASTIC)
+    qo = _quantize_half(vo, enc, s, key, index + 1, STOCHASTIC)
+    if PACKED:
+        byte = encode_e2m1(qe) | (encode_e2m1(qo) << 4)
+        tl.store(Q + rows * (n_cols // 2) + even // 2, byte.to(tl.uint8), mask=mask_e)
+    else:
+        s4 = s[:, None, :, None]
+        tl.store(Q + index, (qe * s4).to(Q.dtype.element_ty), mask=mask_e)
+        tl.store(Q + index + 1, (qo * s4).to(Q.dtype.element_ty), mask=mask_o)
+    smask = (rb[:, None] * TILE_ROWS < n_rows) & (cb[None, :] < n_blocks)
+    tl.store(S + rb[:, None] * n_blocks + cb[None, :], encode_fp8(s, 3, 7, 0.015625, 512.0), mask=smask)
+
+
+def nvfp4_cast(
+    x: Tensor,
+    amax: Tensor,
+    seed: Tensor,
+    act: str,
+    limit: float,
+    alpha: float,
+    offset: float,
+    tile_rows: int,
+    stochastic: bool,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """``(q, scales)``: NVFP4 quantization of ``v = act(x)`` (``act=""``: ``v = x``) given ``amax = max|v|``.
+
+    ``tile_rows`` 1 (1x16 blocks along the last dim) or 16 (16x16 blocks of a matrix);
+    ``stochastic`` rounds with the bits of ``seed`` (``i64[]``, ignored otherwise). ``out_dtype``
+    ``torch.uint8``: packed codes ``[..., K/2]`` (``K`` even); a float dtype: the values ``q · s``.
+    """
+    act_id, gated, clamped, n_cols = act_layout(x, act)
+    rows = rows_2d(x)
+    n_rows, in_cols = rows.shape
+    n_blocks = triton.cdiv(n_cols, BLOCK)
+    packed = out_dtype == torch.uint8
+    q = torch.empty((*x.shape[:-1], n_cols // 2 if packed else n_cols), dtype=out_dtype, device=x.device)
+    lead = x.shape[:-1] if tile_rows == 1 else (triton.cdiv(n_rows, tile_rows),)
+    scales = torch.empty((*lead, n_blocks), dtype=torch.float8_e4m3fn, device=x.device)
+    if n_rows == 0 or n_cols == 0:
+        return q, scales
+    block_cb = min(next_power_of_2(n_blocks), 8)
+    block_rb = max(1, min(next_power_of_2(triton.cdiv(n_rows, tile_rows)), 128 // (block_cb * tile_rows)))
+    grid = (triton.cdiv(triton.cdiv(n_rows, tile_rows), block_rb), triton.cdiv(n_blocks, block_cb))
+    _nvfp4_kernel[grid](
+        rows,
+        amax.to(torch.float32),
+        seed,
+        q,
+        scales.view(torch.uint8),
+        n_rows,
+        n_cols,
+        n_blocks,
+        in_cols,
+        limit,
+        alpha,
+        offset,
+        MODE=_MODE_ACT if act else _MODE_CAST,
+        ACT=act_id,
+        GATED=gated,
+        CLAMPED=clamped,
+        TILE_ROWS=tile_rows,
+        STOCHASTIC=stochastic,
+        PACKED=packed,
+        BLOCK_RB=block_rb,
+        BLOCK_CB=block_cb,
+    )
+    return q, scales
+
+
+# ----------------------------------------------------------------------------- PyTorch twins
+
+
+def _i32(bits: int) -> int:
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+def round_e2m1_ref(v: Tensor) -> Tensor:
+    """Twin of :func:`round_e2m1` (``v`` fp32, |v| <= 6 or NaN): the same integer rounding of the fp32 bits."""
+    bits = v.view(torch.int32)
+    lsb = (bits >> 22) & 1
+    normal = ((bits + ((1 << 21) - 1) + lsb) & -(1 << 22)).view(torch.float32)
+    sub = torch.round(v * 2.0) * 0.5  # round half to even; keeps the sign of zero
+    out = torch.where(v.abs() < 1.0, sub, normal)
+    return torch.where(v.isnan(), v, out)
+
+
+def stochastic_e2m1_ref(v: Tensor, u: Tensor) -> Tensor:
+    """Twin of :func:`stochastic_e2m1`."""
+    a = v.abs()
+    bits = a.view(torch.int32)
+    small = a < 1.0
+    lo = torch.where(small, torch.floor(a * 2.0) * 0.5, (bits & _i32(0xFFC00000)).view(torch.float32))
+    exp = (bits >> 23) & 0xFF
+    step = torch.where(small, 0.5, ((exp - 1) << 23).view(torch.float32))
+    inv_step = torch.where(small, 2.0, ((255 - exp) << 23).view(torch.float32))
+    q = torch.where(u < (a - lo) * inv_step, lo + step, lo)
+    q = torch.where(v < 0, -q, q)
+    return torch.where(v.isnan(), v, q)
+
+
+def encode_e2m1_ref(q: Tensor) -> Tensor:
+    """Twin of :func:`encode_e2m1`: int32 codes."""
+    a = q.abs()
+    mag = torch.where(a < 2.0, a * 2.0, torch.where(a < 4.0, a + 2.0, a * 0.5 + 4.0)).to(torch.int32)
+    code = mag | (q.signbit().to(torch.int32) << 3)
+    return torch.where(q.isnan(), torch.zeros_like(code), code)
+
+
+def decode_e2m1(codes: Tensor) -> Tensor:
+    """E2M1 values (fp32) of 4-bit codes (any integer tensor)."""
+    table = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def unpack_e2m1(packed: Tensor) -> Tensor:
+    """``u8[..., K/2]`` packed codes -> fp32 values ``[..., K]`` (element ``2i`` in the low nibble)."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    return decode_e2m1(codes)
+
+
+def global_scales_ref(amax: Tensor) -> tuple[Tensor, Tensor]:
+    """Twin of :func:`global_scales`."""
+    amax = amax.to(torch.float32)
+    enc = torch.full_like(amax, 2688.0) / amax
+    enc = torch.where(enc > FLT_MAX, torch.full_like(enc, FLT_MAX), enc)
+    enc = torch.where(enc == 0, torch.ones_like(enc), enc)
+    return enc, torch.ones_like(enc) / enc
+
+
+def nvfp4_block_scales_ref(block_amax: Tensor, global_encode: Tensor, global_decode: Tensor):
+    """Twin of :func:`nvfp4_block_scales`: (s as fp32 E4M3 values, enc)."""
+    d = block_amax * (global_encode * ONE_SIXTH)
+    d = torch.where(d > FLT_MAX, torch.full_like(d, FLT_MAX), d)
+    s = torch.clamp(d, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    enc = torch.ones_like(s) / (s * global_decode)
+    return s, torch.where(enc > FLT_MAX, torch.full_like(enc, FLT_MAX), enc)
+
+
+def nvfp4_cast_ref(
+    x: Tensor,
+    amax: Tensor,
+    seed: Tensor,
+    act: str,
+    limit: float,
+    alpha: float,
+    offset: float,
+    tile_rows: int,
+    stochastic: bool,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of :func:`nvfp4_cast`."""
+    from .block_quantize import blocked, unblocked
+
+    v = act_value_ref(x, act, limit, alpha, offset)
+    mat = v.reshape(-1, v.shape[-1])
+    tiles = blocked(mat, tile_rows, BLOCK)  # [mb, tr, kb, 16]
+    ge, gd = global_scales_ref(amax)
+    s, enc = nvfp4_block_scales_ref(tiles.abs().amax(dim=(1, 3)), ge, gd)
+    w = torch.clamp(tiles * enc[:, None, :, None], -E2M1_MAX, E2M1_MAX)
+    if stochastic:
+        index = torch.arange(mat.numel(), dtype=torch.int64, device=x.device).reshape(mat.shape)
+        u = uniform24_ref(random_bits_ref(seed, blocked(index, tile_rows, BLOCK)))
+        q = stochastic_e2m1_ref(w, u)
+    else:
+        q = round_e2m1_ref(w)
+    lead = v.shape[:-1] if tile_rows == 1 else s.shape[:1]
+    scales = s.to(torch.float8_e4m3fn).reshape(*lead, s.shape[-1])
+    if out_dtype == torch.uint8:
+        codes = unblocked(encode_e2m1_ref(q), mat.shape)
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+        return packed.reshape(*v.shape[:-1], v.shape[-1] // 2), scales
+    values = unblocked(q * s[:, None, :, None], mat.shape)
+    return values.reshape(v.shape).to(out_dtype), scales
+
+
+NVFP4_CAST = Kernel("nvfp4_cast", nvfp4_cast, nvfp4_cast_ref)
