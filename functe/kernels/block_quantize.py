@@ -26,6 +26,8 @@ and twin.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -98,9 +100,8 @@ def act_value_ref(x: Tensor, act: str, limit: float, alpha: float, offset: float
 
 
 def rows_2d(x: Tensor) -> Tensor:
-    """``x`` as a contiguous ``[rows, last]`` matrix (also for 0 rows and 0-d tensors)."""
-    x = x.contiguous()
-    return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    """``x [..., K]`` as a ``[rows, K]`` matrix (a view where possible; also for 0 rows or ``K = 0``)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 # ----------------------------------------------------------------------------- FP8 block kernel
@@ -206,7 +207,7 @@ def _fp8_block_kernel(
 
 def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
     act_id, gated, clamped, n_cols = act_layout(x, act)
-    rows = rows_2d(x)
+    rows = rows_2d(x.contiguous())
     n_rows, in_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
     q = torch.empty((*x.shape[:-1], n_cols), dtype=out_dtype, device=x.device)
@@ -283,7 +284,7 @@ def unblocked(t: Tensor, shape: torch.Size) -> Tensor:
 
 def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
     v = act_value_ref(x, act, limit, alpha, offset)
-    mat = v.reshape(-1, v.shape[-1]) if v.dim() else v.reshape(1, 1)
+    mat = rows_2d(v)
     tiles = blocked(mat, block_rows, BLOCK)  # [mb, br, kb, 128]
     maxv = FP8_FORMATS[qdtype].max
     scale, scale_inv = fp8_block_scale_ref(tiles.abs().amax(dim=(1, 3)), eps, maxv, pow2)  # amax keeps NaN

@@ -86,8 +86,8 @@ def encode_e2m1(q):
 
 @jit
 def global_scales(amax):
-    """(global_encode, global_decode) from the tensor's amax (TE's reference)."""
-    enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
+    """(global_encode, global_decode) from the tensor's amax (TE's reference; an amax of -0 counts as 0)."""
+    enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), tl.abs(amax))
     enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)  # keeps NaN
     enc = tl.where(enc == 0.0, 1.0, enc)
     return enc, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), enc)
@@ -187,7 +187,7 @@ def nvfp4_cast(
     ``torch.uint8``: packed codes ``[..., K/2]`` (``K`` even); a float dtype: the values ``q · s``.
     """
     act_id, gated, clamped, n_cols = act_layout(x, act)
-    rows = rows_2d(x)
+    rows = rows_2d(x.contiguous())
     n_rows, in_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
     packed = out_dtype == torch.uint8
@@ -278,7 +278,7 @@ def unpack_e2m1(packed: Tensor) -> Tensor:
 
 def global_scales_ref(amax: Tensor) -> tuple[Tensor, Tensor]:
     """Twin of :func:`global_scales`."""
-    amax = amax.to(torch.float32)
+    amax = amax.to(torch.float32).abs()  # amax_ref may give -0.0 for an all-zero tensor
     enc = torch.full_like(amax, 2688.0) / amax
     enc = torch.where(enc > FLT_MAX, torch.full_like(enc, FLT_MAX), enc)
     enc = torch.where(enc == 0, torch.ones_like(enc), enc)
@@ -310,7 +310,7 @@ def nvfp4_cast_ref(
     from .block_quantize import blocked, unblocked
 
     v = act_value_ref(x, act, limit, alpha, offset)
-    mat = v.reshape(-1, v.shape[-1])
+    mat = rows_2d(v)
     tiles = blocked(mat, tile_rows, BLOCK)  # [mb, tr, kb, 16]
     ge, gd = global_scales_ref(amax)
     s, enc = nvfp4_block_scales_ref(tiles.abs().amax(dim=(1, 3)), ge, gd)
