@@ -339,3 +339,36 @@ def test_rht_is_the_orthogonal_matrix_and_round_trips(shape):
     assert_close(back, x.double())
     if x.numel():  # norms are kept: outliers spread over 16 values instead of growing
         assert_close(y.double().norm(), x.double().norm())
+
+
+# ----------------------------------------------------------------------------- the twins' CPU fast path
+
+
+def test_twins_chunked_fast_path_equals_the_whole_tensor_formula():
+    """Large eager CPU tensors take the chunked path (cache-sized row chunks on worker threads):
+    it must give the same bits as the formula on the whole tensor (as under transforms)."""
+    from functe.kernels._fast import CHUNK_ELEMENTS
+
+    x = (torch.randn(301, 520) * 4).to(torch.bfloat16)
+    assert x.numel() > CHUNK_ELEMENTS
+    mat = x.float()
+    for block_rows in (1, 128):
+        for out in (E4M3, torch.bfloat16):
+            q, s = bq._fp8_block_ref(x, "", 0.0, 0.0, 0.0, E4M3, out, block_rows, True, 0.0)
+            q_whole, s_whole = bq._fp8_block_rows(mat, "", 0.0, 0.0, 0.0, E4M3, out, block_rows, True, 0.0)
+            assert _bits_equal(q, q_whole) and torch.equal(s, s_whole)
+    amax, seed = _amax(x), torch.tensor(31)
+    ge, gd = nv.global_scales_ref(amax)
+    bits = hadamard.random_bits_ref(seed, torch.arange(x.numel()).view(x.shape))
+    for tile_rows, stochastic, out in ((1, True, torch.uint8), (16, False, torch.float32), (1, False, torch.uint8)):
+        q, s = nv.nvfp4_cast_ref(x, amax, seed, "", 0.0, 0.0, 0.0, tile_rows, stochastic, out)
+        q_whole, s_whole = nv._nvfp4_rows(mat, bits, ge, gd, "", 0.0, 0.0, 0.0, tile_rows, stochastic, out)
+        assert torch.equal(q, q_whole) and _bits_equal(s, s_whole)
+
+
+def test_fast_random_bits_equal_the_reference_across_a_2_32_boundary():
+    seed = 12345
+    for start in (0, 2**31 - 100, 2**32 - 50, 2**33 + 7):
+        fast = hadamard.random_bits_fast(seed, start, 200)
+        ref = hadamard.random_bits_ref(torch.tensor(seed), torch.arange(start, start + 200))
+        assert torch.equal(fast, ref), start

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .._kernel import Kernel, Rowwise
-from . import _act
+from . import _act, _fast
 from ._triton import jit, next_power_of_2
 from .quantize import CLAMPED_SWIGLU, FP8_FORMATS, _storage, _value_ref, encode_fp8, round_to_fp8, saturate
 
@@ -276,24 +276,92 @@ def blocked(v: Tensor, block_rows: int, block_cols: int) -> Tensor:
     return v.reshape(*v.shape[:-2], (m + pad_r) // block_rows, block_rows, (k + pad_c) // block_cols, block_cols)
 
 
+def grid_step_ref(a: Tensor, mant: int, min_normal: float) -> Tensor:
+    """The spacing of a float grid with ``mant`` mantissa bits at magnitudes ``a`` (fp32, a power of two).
+
+    ``2^floor(log2 a) · 2^-mant`` from the exponent bits, at least the subnormal spacing
+    ``min_normal · 2^-mant``; infinite for NaN.
+    """
+    return ((a.view(torch.int32) & 0x7F800000).view(torch.float32) * 2.0**-mant).clamp_min_(min_normal * 2.0**-mant)
+
+
+def round_to_grid_ref(w: Tensor, mant: int, min_normal: float) -> Tensor:
+    """Twin of :func:`functe.kernels.quantize.round_to_fp8` in float arithmetic (no float8 conversion).
+
+    ``|w| / step`` is exact (``step`` a power of two), ``torch.round`` rounds it half to even: the
+    same grid point as the kernel's integer rounding of the bits; the sign (-0 too) and NaN are kept.
+    """
+    a = w.abs()
+    step = grid_step_ref(a, mant, min_normal)
+    return torch.copysign(torch.round(a / step) * step, w)
+
+
+def block_amax_ref(tiles: Tensor) -> Tensor:
+    """``max |v|`` per block of ``tiles [mb, br, kb, bc]`` (``[mb, kb]``; NaN if the block holds one).
+
+    For short blocks a tree of ``torch.maximum`` over halves (NaN-propagating, and faster on the
+    CPU than a reduction over a short inner dim), then the max over the block's rows.
+    """
+    m = tiles.abs()
+    if m.shape[-1] > 32:
+        return m.amax(dim=(1, 3))
+    while m.shape[-1] > 1:
+        half = m.shape[-1] // 2
+        m = torch.maximum(m[..., :half], m[..., half:])
+    return m[..., 0].amax(dim=1)
+
+
 def unblocked(t: Tensor, shape: torch.Size) -> Tensor:
     """Inverse of :func:`blocked`: back to ``shape`` (padding cut off)."""
     *lead, mb, br, kb, bc = t.shape
     return t.reshape(*lead, mb * br, kb * bc)[..., : shape[-2], : shape[-1]].reshape(shape)
 
 
-def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
-    v = act_value_ref(x, act, limit, alpha, offset)
-    mat = rows_2d(v)
-    tiles = blocked(mat, block_rows, BLOCK)  # [mb, br, kb, 128]
+def by_row_chunks(x: Tensor, tile_rows: int, outputs, rows_fn) -> bool:
+    """The twins' CPU fast path: ``rows_fn(x_rows)`` on cache-sized chunks of whole tile rows.
+
+    ``outputs`` are ``(tensor, rows per output row)`` pairs (1 for per-row results, ``tile_rows``
+    for per-tile scales); chunk results are written into them. Runs only on plain eager CPU tensors
+    larger than a chunk (see :mod:`functe.kernels._fast`); returns whether it ran.
+    """
+    if x.numel() <= _fast.CHUNK_ELEMENTS or not _fast.eager_cpu(x):
+        return False
+    mat = rows_2d(x)
+    n_rows = mat.shape[0]
+
+    def body(_, tiles, scratch):
+        r0, r1 = tiles.start * tile_rows, min(tiles.stop * tile_rows, n_rows)
+        for out, (t, per) in zip(rows_fn(mat[r0:r1], r0), outputs):
+            t[r0 // per : -(-r1 // per)] = out
+
+    _fast.parallel_chunks(-(-n_rows // tile_rows), (tile_rows, mat.shape[1]), torch.float32, body)
+    return True
+
+
+def _fp8_block_rows(mat, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
+    """The FP8 block cast of a ``[rows, K]`` matrix: (q ``[rows, K']``, scale_inv ``[row blocks, K'/128]``)."""
+    v = act_value_ref(mat, act, limit, alpha, offset)
+    tiles = blocked(v, block_rows, BLOCK)  # [mb, br, kb, 128]
     maxv = FP8_FORMATS[qdtype].max
-    scale, scale_inv = fp8_block_scale_ref(tiles.abs().amax(dim=(1, 3)), eps, maxv, pow2)  # amax keeps NaN
-    q = torch.clamp(tiles * scale[:, None, :, None], -maxv, maxv).to(qdtype)
-    if out_dtype not in FP8_FORMATS:
-        q = q.to(torch.float32) * scale_inv[:, None, :, None]
-    q = unblocked(q, mat.shape).reshape(v.shape).to(out_dtype)
-    lead = v.shape[:-1] if block_rows == 1 else scale_inv.shape[:1]
-    return q, scale_inv.reshape(*lead, scale_inv.shape[-1])
+    scale, scale_inv = fp8_block_scale_ref(block_amax_ref(tiles), eps, maxv, pow2)
+    w = torch.clamp(tiles * scale[:, None, :, None], -maxv, maxv)
+    if out_dtype in FP8_FORMATS:
+        q = w.to(qdtype)
+    else:  # the dequantized value, without a float8 round trip (slow on the CPU)
+        fmt = FP8_FORMATS[qdtype]
+        q = round_to_grid_ref(w, fmt.mant, fmt.min_normal) * scale_inv[:, None, :, None]
+    return unblocked(q, v.shape).to(out_dtype), scale_inv
+
+
+def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
+    n_cols = act_layout(x, act)[3]
+    args = (act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps)
+    q = torch.empty((math.prod(x.shape[:-1]), n_cols), dtype=out_dtype, device=x.device)
+    scale_inv = torch.empty((-(-q.shape[0] // block_rows), -(-n_cols // BLOCK)), dtype=torch.float32, device=x.device)
+    if not by_row_chunks(x, block_rows, ((q, 1), (scale_inv, block_rows)), lambda m, _: _fp8_block_rows(m, *args)):
+        q, scale_inv = _fp8_block_rows(rows_2d(x), *args)
+    lead = x.shape[:-1] if block_rows == 1 else scale_inv.shape[:1]
+    return q.reshape(*x.shape[:-1], n_cols), scale_inv.reshape(*lead, scale_inv.shape[-1])
 
 
 # ----------------------------------------------------------------------------- kernels

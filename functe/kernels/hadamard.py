@@ -28,7 +28,7 @@ import triton.language as tl
 from .._kernel import Kernel
 from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import jit
-from .dropout import _keys, mix, mix_torch, seed_key
+from .dropout import _i32, _keys, _mix_, key_int, mix, mix_int, mix_torch, seed_key
 
 Tensor = torch.Tensor
 
@@ -56,6 +56,26 @@ def random_bits_ref(seed: Tensor, index: Tensor) -> Tensor:
     key = _keys(seed)
     hi = mix_torch(key ^ mix_torch((index >> 32).to(torch.int32)))
     return mix_torch(mix_torch(index.to(torch.int32) ^ hi) + key)
+
+
+def random_bits_fast(seed: int, start: int, n: int) -> Tensor:
+    """``bits(start .. start + n - 1)`` for a Python int seed: the CPU fast path (in-place int32 ops).
+
+    Within one 2^32 block of indices the high word's part of the hash is one Python int, as in
+    dropout's fast path; across a boundary it falls back to :func:`random_bits_ref`.
+    """
+    if (start >> 32) != ((start + max(n, 1) - 1) >> 32):
+        index = torch.arange(start, start + n, dtype=torch.int64)
+        return random_bits_ref(torch.tensor(seed, dtype=torch.int64), index)
+    key = key_int(seed)
+    v = torch.arange(n, dtype=torch.int32)
+    v += _i32(start & 0xFFFFFFFF)  # int32 wraps: the low word of the index
+    v ^= _i32(mix_int(key ^ mix_int(start >> 32)))
+    t = torch.empty_like(v)
+    _mix_(v, t)
+    v += _i32(key)
+    _mix_(v, t)
+    return v
 
 
 def uniform24_ref(bits: Tensor) -> Tensor:

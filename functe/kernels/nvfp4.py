@@ -28,15 +28,33 @@ amax makes ``global_encode`` 1: infinities saturate to ±6·448.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from .._kernel import Kernel
+from . import _fast
 from ._triton import jit, next_power_of_2
-from .block_quantize import _MODE_ACT, _MODE_CAST, FLT_MAX, act_layout, act_value, act_value_ref, nan_max, rows_2d
+from .block_quantize import (
+    _MODE_ACT,
+    _MODE_CAST,
+    FLT_MAX,
+    act_layout,
+    act_value,
+    act_value_ref,
+    block_amax_ref,
+    blocked,
+    by_row_chunks,
+    grid_step_ref,
+    nan_max,
+    round_to_grid_ref,
+    rows_2d,
+    unblocked,
+)
 from .dropout import seed_key
-from .hadamard import random_bits, random_bits_ref, uniform24, uniform24_ref
+from .hadamard import random_bits, random_bits_fast, random_bits_ref, uniform24, uniform24_ref
 from .quantize import encode_fp8, round_to_fp8, saturate
 
 Tensor = torch.Tensor
@@ -228,40 +246,34 @@ def nvfp4_cast(
 # ----------------------------------------------------------------------------- PyTorch twins
 
 
-def _i32(bits: int) -> int:
-    return bits - (1 << 32) if bits >= 1 << 31 else bits
+def e2m1_multiples_ref(w: Tensor, u: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Twin of :func:`round_e2m1` (``u=None``) and :func:`stochastic_e2m1`, in a CPU-friendly form.
+
+    ``|w| ≈ r · step``: ``step`` is the E2M1 spacing at ``|w|`` (0.5 below 2, 1 below 4, else 2,
+    from the exponent bits), ``r`` the integer multiple, rounded half to even (the same grid
+    point as the kernel's integer rounding of the fp32 bits) or up when ``u < frac`` (the
+    fraction is exact: ``step`` is a power of two). NaN counts as 0 (its code; its block scale
+    is NaN anyway). Returns ``(r, step, w with NaN as 0)``.
+    """
+    wz = torch.nan_to_num(w, nan=0.0)
+    a = wz.abs()
+    step = grid_step_ref(a, 1, 1.0)
+    t = a / step
+    if u is None:
+        return torch.round(t), step, wz
+    r = torch.floor(t)
+    return r + torch.ceil((t - r) - u), step, wz  # ceil(frac - u) is 1 exactly when u < frac
 
 
-def round_e2m1_ref(v: Tensor) -> Tensor:
-    """Twin of :func:`round_e2m1` (``v`` fp32, |v| <= 6 or NaN): the same integer rounding of the fp32 bits."""
-    bits = v.view(torch.int32)
-    lsb = (bits >> 22) & 1
-    normal = ((bits + ((1 << 21) - 1) + lsb) & -(1 << 22)).view(torch.float32)
-    sub = torch.round(v * 2.0) * 0.5  # round half to even; keeps the sign of zero
-    out = torch.where(v.abs() < 1.0, sub, normal)
-    return torch.where(v.isnan(), v, out)
+def e2m1_values_ref(r: Tensor, step: Tensor, wz: Tensor) -> Tensor:
+    """The E2M1 values ``±r · step`` (the sign of ``wz``, -0 kept)."""
+    return torch.copysign(r * step, wz)
 
 
-def stochastic_e2m1_ref(v: Tensor, u: Tensor) -> Tensor:
-    """Twin of :func:`stochastic_e2m1`."""
-    a = v.abs()
-    bits = a.view(torch.int32)
-    small = a < 1.0
-    lo = torch.where(small, torch.floor(a * 2.0) * 0.5, (bits & _i32(0xFFC00000)).view(torch.float32))
-    exp = (bits >> 23) & 0xFF
-    step = torch.where(small, 0.5, ((exp - 1) << 23).view(torch.float32))
-    inv_step = torch.where(small, 2.0, ((255 - exp) << 23).view(torch.float32))
-    q = torch.where(u < (a - lo) * inv_step, lo + step, lo)
-    q = torch.where(v < 0, -q, q)
-    return torch.where(v.isnan(), v, q)
-
-
-def encode_e2m1_ref(q: Tensor) -> Tensor:
-    """Twin of :func:`encode_e2m1`: int32 codes."""
-    a = q.abs()
-    mag = torch.where(a < 2.0, a * 2.0, torch.where(a < 4.0, a + 2.0, a * 0.5 + 4.0)).to(torch.int32)
-    code = mag | (q.signbit().to(torch.int32) << 3)
-    return torch.where(q.isnan(), torch.zeros_like(code), code)
+def e2m1_codes_ref(r: Tensor, step: Tensor, wz: Tensor) -> Tensor:
+    """Twin of :func:`encode_e2m1`: ``r + 2·log2(2·step)`` (codes 0-7) with the sign in bit 3, int32."""
+    mag = r.to(torch.int32) + 2 * ((step.view(torch.int32) >> 23) - 126)
+    return mag | ((wz.view(torch.int32) >> 28) & 8)
 
 
 def decode_e2m1(codes: Tensor) -> Tensor:
@@ -287,11 +299,27 @@ def global_scales_ref(amax: Tensor) -> tuple[Tensor, Tensor]:
 
 def nvfp4_block_scales_ref(block_amax: Tensor, global_encode: Tensor, global_decode: Tensor):
     """Twin of :func:`nvfp4_block_scales`: (s as fp32 E4M3 values, enc)."""
-    d = block_amax * (global_encode * ONE_SIXTH)
-    d = torch.where(d > FLT_MAX, torch.full_like(d, FLT_MAX), d)
-    s = torch.clamp(d, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    enc = torch.ones_like(s) / (s * global_decode)
-    return s, torch.where(enc > FLT_MAX, torch.full_like(enc, FLT_MAX), enc)
+    d = torch.clamp(block_amax * (global_encode * ONE_SIXTH), max=E4M3_MAX)  # (TE caps at FLT_MAX first: same)
+    s = round_to_grid_ref(d, 3, 2.0**-6)  # E4M3, round half to even; NaN stays NaN
+    return s, (torch.ones_like(s) / (s * global_decode)).clamp_(max=FLT_MAX)
+
+
+def _nvfp4_rows(mat, bits, ge, gd, act, limit, alpha, offset, tile_rows, stochastic, out_dtype):
+    """The NVFP4 cast of a ``[rows, K]`` matrix: (q ``[rows, K']`` or packed ``[rows, K'/2]``, E4M3 scales).
+
+    ``bits``: the random bits (int32 ``[rows, K']``) of stochastic rounding, else ``None``.
+    """
+    v = act_value_ref(mat, act, limit, alpha, offset)
+    tiles = blocked(v, tile_rows, BLOCK)  # [mb, tr, kb, 16]
+    s, enc = nvfp4_block_scales_ref(block_amax_ref(tiles), ge, gd)
+    w = torch.clamp(tiles * enc[:, None, :, None], -E2M1_MAX, E2M1_MAX)
+    u = uniform24_ref(blocked(bits, tile_rows, BLOCK)) if stochastic else None
+    r, step, wz = e2m1_multiples_ref(w, u)
+    if out_dtype == torch.uint8:
+        codes = unblocked(e2m1_codes_ref(r, step, wz), v.shape)
+        return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8), s.to(torch.float8_e4m3fn)
+    values = e2m1_values_ref(r, step, wz) * s[:, None, :, None]
+    return unblocked(values, v.shape).to(out_dtype), s.to(torch.float8_e4m3fn)
 
 
 def nvfp4_cast_ref(
@@ -307,28 +335,24 @@ def nvfp4_cast_ref(
     out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`nvfp4_cast`."""
-    from .block_quantize import blocked, unblocked
-
-    v = act_value_ref(x, act, limit, alpha, offset)
-    mat = rows_2d(v)
-    tiles = blocked(mat, tile_rows, BLOCK)  # [mb, tr, kb, 16]
+    n_cols = act_layout(x, act)[3]
+    n_rows = math.prod(x.shape[:-1])
     ge, gd = global_scales_ref(amax)
-    s, enc = nvfp4_block_scales_ref(tiles.abs().amax(dim=(1, 3)), ge, gd)
-    w = torch.clamp(tiles * enc[:, None, :, None], -E2M1_MAX, E2M1_MAX)
-    if stochastic:
-        index = torch.arange(mat.numel(), dtype=torch.int64, device=x.device).reshape(mat.shape)
-        u = uniform24_ref(random_bits_ref(seed, blocked(index, tile_rows, BLOCK)))
-        q = stochastic_e2m1_ref(w, u)
-    else:
-        q = round_e2m1_ref(w)
-    lead = v.shape[:-1] if tile_rows == 1 else s.shape[:1]
-    scales = s.to(torch.float8_e4m3fn).reshape(*lead, s.shape[-1])
-    if out_dtype == torch.uint8:
-        codes = unblocked(encode_e2m1_ref(q), mat.shape)
-        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-        return packed.reshape(*v.shape[:-1], v.shape[-1] // 2), scales
-    values = unblocked(q * s[:, None, :, None], mat.shape)
-    return values.reshape(v.shape).to(out_dtype), scales
+    params = (ge, gd, act, limit, alpha, offset, tile_rows, stochastic, out_dtype)
+    q = torch.empty((n_rows, n_cols // 2 if out_dtype == torch.uint8 else n_cols), dtype=out_dtype, device=x.device)
+    scales = torch.empty((-(-n_rows // tile_rows), -(-n_cols // BLOCK)), dtype=torch.float8_e4m3fn, device=x.device)
+    key = int(seed) if stochastic and _fast.eager_cpu(seed) else 0
+
+    def chunk(mat, r0):
+        bits = random_bits_fast(key, r0 * n_cols, mat.shape[0] * n_cols).view(-1, n_cols) if stochastic else None
+        return _nvfp4_rows(mat, bits, *params)
+
+    if not by_row_chunks(x, tile_rows, ((q, 1), (scales, tile_rows)), chunk):
+        index = torch.arange(n_rows * n_cols, dtype=torch.int64, device=x.device).view(n_rows, n_cols)
+        bits = random_bits_ref(seed, index) if stochastic else None
+        q, scales = _nvfp4_rows(rows_2d(x), bits, *params)
+    lead = x.shape[:-1] if tile_rows == 1 else scales.shape[:1]
+    return q.reshape(*x.shape[:-1], q.shape[-1]), scales.reshape(*lead, scales.shape[-1])
 
 
 NVFP4_CAST = Kernel("nvfp4_cast", nvfp4_cast, nvfp4_cast_ref)
