@@ -41,6 +41,7 @@ Tensor = torch.Tensor
 
 BLOCK = 128
 FLT_MAX = 3.4028234663852886e38
+FLT_MAX_TL = tl.constexpr(FLT_MAX)  # what compiled kernels may read (a plain global is interpreter-only)
 _MODE_CAST, _MODE_ACT = 0, 1  # as in functe.kernels.quantize
 
 
@@ -112,7 +113,7 @@ def fp8_block_scale(amax, eps, MAXV: tl.constexpr, POW2: tl.constexpr):
     """(scale, scale_inv) of blocks with largest magnitude ``amax`` (TE's compute_scale_from_amax)."""
     a = tl.where(amax < eps, eps, amax)  # NaN stays NaN
     scale = tl.math.div_rn(tl.full(a.shape, MAXV, tl.float32), a)
-    scale = tl.where(scale == float("inf"), FLT_MAX, scale)
+    scale = tl.where(scale == float("inf"), FLT_MAX_TL, scale)
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
     scale = tl.where((a == 0.0) | (a == float("inf")) | (a != a), 1.0, scale)

@@ -41,6 +41,7 @@ from .block_quantize import (
     _MODE_ACT,
     _MODE_CAST,
     FLT_MAX,
+    FLT_MAX_TL,
     act_layout,
     act_value,
     act_value_ref,
@@ -106,7 +107,7 @@ def encode_e2m1(q):
 def global_scales(amax):
     """(global_encode, global_decode) from the tensor's amax (TE's reference; an amax of -0 counts as 0)."""
     enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), tl.abs(amax))
-    enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)  # keeps NaN
+    enc = tl.where(enc > FLT_MAX_TL, FLT_MAX_TL, enc)  # keeps NaN
     enc = tl.where(enc == 0.0, 1.0, enc)
     return enc, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), enc)
 
@@ -115,10 +116,10 @@ def global_scales(amax):
 def nvfp4_block_scales(block_amax, global_encode, global_decode):
     """(s: the E4M3 block decode scale as fp32, enc: the element encode scale) per block."""
     d = block_amax * (global_encode * 0.16666667163372040)
-    d = saturate(tl.where(d > FLT_MAX, FLT_MAX, d), 448.0)
+    d = saturate(tl.where(d > FLT_MAX_TL, FLT_MAX_TL, d), 448.0)
     s = round_to_fp8(d, 3, 0.015625, 512.0)  # E4M3, round to nearest even
     enc = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * global_decode)
-    return s, tl.where(enc > FLT_MAX, FLT_MAX, enc)
+    return s, tl.where(enc > FLT_MAX_TL, FLT_MAX_TL, enc)
 
 
 @jit
