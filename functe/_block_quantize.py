@@ -37,7 +37,7 @@ BlockRecipe = Float8BlockScaling | NVFP4BlockScaling
 # Streams of one linear's seed: each random draw gets its own key (seed ^ stream).
 RHT_STREAM, SR_DGRAD_STREAM, SR_WGRAD_STREAM = 0x5248_5400, 0x5352_0001, 0x5352_0002
 
-_CLAMPED = {"limit": 7.0, "alpha": 1.702, "offset": 1.0}
+_NO_ACT = ("", (0.0, 0.0, 0.0))
 
 
 def operand_dtype(recipe: BlockRecipe, dtype: torch.dtype) -> torch.dtype:
@@ -56,7 +56,7 @@ def _stochastic(recipe: BlockRecipe, role: str) -> bool:
     return isinstance(recipe, NVFP4BlockScaling) and role == "grad_output" and not recipe.disable_stochastic_rounding
 
 
-def _quantize(x, act, params, recipe, role, out_dtype, seed):
+def _quantize(x, act, params, recipe, role, out_dtype, seed, op="cast_block"):
     """(q, scale, amax, block scales) of ``v = act(x)`` for ``role`` (the one place a recipe picks its kernels)."""
     rows, _ = recipe.block_shape(role)
     if isinstance(recipe, Float8BlockScaling):
@@ -75,8 +75,8 @@ def _quantize(x, act, params, recipe, role, out_dtype, seed):
     stochastic = _stochastic(recipe, role)
     if stochastic and seed is None:
         raise FuncteError(
-            "functe: NVFP4BlockScaling rounds gradients stochastically and needs a seed "
-            "(pass seed=..., or disable_stochastic_rounding=True)"
+            f"functe.{op}: argument 'seed' expected a Python int or an int64 tensor: NVFP4BlockScaling rounds "
+            "gradients stochastically and needs a seed (or disable_stochastic_rounding=True), got None"
         )
     seed = _zero_seed(x) if seed is None else seed
     q, block_scales = NVFP4_CAST(x, amax, seed, act, *params, rows, stochastic, out_dtype)
@@ -97,7 +97,7 @@ def _check(x: Tensor, recipe: BlockRecipe, role: str, scale, op: str) -> None:
 def cast_block(x: Tensor, recipe: BlockRecipe, role: str, scale: None, out_dtype: torch.dtype, *, seed=None):
     """``x`` quantized for ``role`` as a GEMM operand: ``(q, scale, amax)`` (see the module docstring)."""
     _check(x, recipe, role, scale, "cast_block")
-    q, s, amax, _ = _quantize(x, "", (0.0, 0.0, 0.0), recipe, role, out_dtype, seed)
+    q, s, amax, _ = _quantize(x, *_NO_ACT, recipe, role, out_dtype, seed)
     return q, s, amax
 
 
@@ -141,7 +141,7 @@ def wgrad_operand(t2: Tensor, recipe: BlockRecipe, role: str, out_dtype: torch.d
             t = torch.nn.functional.pad(t, (0, pad))
         t = RHT16(t, seed ^ RHT_STREAM, False, torch.float32)
     sr_seed = seed ^ SR_WGRAD_STREAM if _stochastic(recipe, role) else None
-    q, scale, _, _ = _quantize(t, "", (0.0, 0.0, 0.0), recipe, role, out_dtype, sr_seed)
+    q, scale, _, _ = _quantize(t, *_NO_ACT, recipe, role, out_dtype, sr_seed)
     return q, scale
 
 
@@ -156,14 +156,14 @@ def quantize_block(x: Tensor, recipe: BlockRecipe, role: str, seed: Tensor | Non
     """
     _check(x, recipe, role, None, "quantize")
     if isinstance(recipe, Float8BlockScaling):
-        data, _, _, block_scales = _quantize(x, "", (0.0, 0.0, 0.0), recipe, role, recipe.dtype(role), None)
+        data, _, _, block_scales = _quantize(x, *_NO_ACT, recipe, role, recipe.dtype(role), None)
         return data, None, block_scales
     if x.shape[-1] % 2:
         raise ShapeError(
             "functe.quantize: argument 'x' expected an even last dim for NVFP4 (two values per byte), "
             f"got {describe(x)}"
         )
-    data, encode, _, block_scales = _quantize(x, "", (0.0, 0.0, 0.0), recipe, role, torch.uint8, seed)
+    data, encode, _, block_scales = _quantize(x, *_NO_ACT, recipe, role, torch.uint8, seed, "quantize")
     return data, torch.ones_like(encode) / encode, block_scales
 
 

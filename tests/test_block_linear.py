@@ -183,3 +183,27 @@ def test_vmap_of_grad_equals_per_member_runs():
     batched = torch.func.vmap(torch.func.grad(loss))(ws)
     for i in range(3):
         assert torch.equal(batched[i], torch.func.grad(loss)(ws[i]))
+
+
+def test_compiles_fullgraph_with_the_seed_as_an_argument():
+    """torch.compile(fullgraph=True) of the NVFP4 linear (kernels opaque, the seed a tensor input, so
+    a new seed does not recompile), gradients taken outside (docs/design.md): identical results."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager, graphs = lookup_backend("aot_eager"), []
+
+    def counting(gm, inputs):
+        graphs.append(gm)
+        return aot_eager(gm, inputs)
+
+    recipe = RECIPES["nvfp4"]
+    fn = lambda x, w, seed: ops.fp8_linear(x, w, None, None, recipe=recipe, seed=seed)
+    compiled = torch.compile(fn, fullgraph=True, backend=counting)
+    x, w = torch.randn(32, 64, requires_grad=True), torch.randn(16, 64, requires_grad=True)
+    for seed in (3, 4):
+        y = compiled(x, w, torch.tensor(seed))
+        y_ref = fn(x, w, torch.tensor(seed))
+        grads = torch.autograd.grad((y * y).sum(), (x, w))
+        grads_ref = torch.autograd.grad((y_ref * y_ref).sum(), (x, w))
+        assert torch.equal(y, y_ref) and all(torch.equal(g, r) for g, r in zip(grads, grads_ref))
+    assert len(graphs) == 1
