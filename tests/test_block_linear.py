@@ -175,11 +175,12 @@ def test_second_derivatives_raise():
         torch.func.grad(lambda x: torch.func.grad(loss)(x).sum())(x)
 
 
-def test_vmap_of_grad_equals_per_member_runs():
-    recipe = RECIPES["fp8block"]
-    ws = torch.randn(3, 8, 32) * 0.2
+@pytest.mark.parametrize("name", ["fp8block", "nvfp4"])
+def test_vmap_of_grad_equals_per_member_runs(name):
+    recipe = RECIPES[name]
+    ws = torch.randn(3, 16, 32) * 0.2
     x = torch.randn(10, 32)
-    loss = lambda w: ops.fp8_linear(x, w, None, None, recipe=recipe).square().sum()
+    loss = lambda w: ops.fp8_linear(x, w, None, None, recipe=recipe, seed=5).square().sum()
     batched = torch.func.vmap(torch.func.grad(loss))(ws)
     for i in range(3):
         assert torch.equal(batched[i], torch.func.grad(loss)(ws[i]))

@@ -283,7 +283,7 @@ def grid_step_ref(a: Tensor, mant: int, min_normal: float) -> Tensor:
     ``2^floor(log2 a) · 2^-mant`` from the exponent bits, at least the subnormal spacing
     ``min_normal · 2^-mant``; infinite for NaN.
     """
-    return ((a.view(torch.int32) & 0x7F800000).view(torch.float32) * 2.0**-mant).clamp_min_(min_normal * 2.0**-mant)
+    return ((a.view(torch.int32) & 0x7F800000).view(torch.float32) * 2.0**-mant).clamp_min(min_normal * 2.0**-mant)
 
 
 def round_to_grid_ref(w: Tensor, mant: int, min_normal: float) -> Tensor:

@@ -302,7 +302,7 @@ def nvfp4_block_scales_ref(block_amax: Tensor, global_encode: Tensor, global_dec
     """Twin of :func:`nvfp4_block_scales`: (s as fp32 E4M3 values, enc)."""
     d = torch.clamp(block_amax * (global_encode * ONE_SIXTH), max=E4M3_MAX)  # (TE caps at FLT_MAX first: same)
     s = round_to_grid_ref(d, 3, 2.0**-6)  # E4M3, round half to even; NaN stays NaN
-    return s, (torch.ones_like(s) / (s * global_decode)).clamp_(max=FLT_MAX)
+    return s, (torch.ones_like(s) / (s * global_decode)).clamp(max=FLT_MAX)
 
 
 def _nvfp4_rows(mat, bits, ge, gd, act, limit, alpha, offset, tile_rows, stochastic, out_dtype):
