@@ -25,9 +25,9 @@ import torch
 
 from ._errors import FuncteError, ShapeError, describe
 from ._recipe import Float8BlockScaling, NVFP4BlockScaling
-from .kernels.block_quantize import FP8_BLOCK_CAST, FP8_BLOCK_CAST_2D
+from .kernels.block_quantize import FP8_BLOCK_CAST, FP8_BLOCK_CAST_2D, FP8_BLOCK_DEQUANTIZE
 from .kernels.hadamard import RHT16, RHT_SIZE
-from .kernels.nvfp4 import NVFP4_CAST, global_scales_ref, unpack_e2m1
+from .kernels.nvfp4 import NVFP4_CAST, NVFP4_DEQUANTIZE, global_scales_ref
 from .kernels.quantize import ACT_CAST_AMAX, CAST_AMAX
 
 Tensor = torch.Tensor
@@ -167,21 +167,19 @@ def quantize_block(x: Tensor, recipe: BlockRecipe, role: str, seed: Tensor | Non
     return data, torch.ones_like(encode) / encode, block_scales
 
 
-def _expand(block_scales: Tensor, shape: torch.Size, block: int) -> Tensor:
-    """Per-element fp32 scales of ``shape`` from 1-D ``[..., ceil(K/b)]`` or 2-D ``[ceil(M/b), ceil(K/b)]`` scales.
+def _block_rows(data_shape: torch.Size, block_scales: Tensor, block: int) -> int:
+    """1 for 1-D block scales ``[..., ceil(K/b)]``, ``block`` for 2-D ones ``[ceil(M/b), ceil(K/b)]``.
 
-    The two layouts differ in their leading size except for one-row matrices, where they mean the same.
+    The layouts differ in their leading size except for one-row matrices, where they mean the same.
     """
-    s = block_scales.to(torch.float32)
-    if len(shape) == 2 and s.shape[0] != shape[0]:
-        s = s.repeat_interleave(block, 0)[: shape[0]]
-    return s.repeat_interleave(block, -1)[..., : shape[-1]]
+    two_d = len(data_shape) == 2 and block_scales.shape[0] != data_shape[0]
+    return block if two_d else 1
 
 
 def dequantize_block(data: Tensor, scale_inv: Tensor | None, block_scales: Tensor) -> Tensor:
     """The fp32 values of block-quantized data (FP8 block scaling or NVFP4, told apart by the scales' dtype)."""
     if block_scales.dtype == torch.float8_e4m3fn:
-        values = unpack_e2m1(data)
-        return values * _expand(block_scales, values.shape, 16) * scale_inv
-    values = data.to(torch.float32)
-    return values * _expand(block_scales, values.shape, 128)
+        rows = _block_rows(data.shape, block_scales, 16)
+        return NVFP4_DEQUANTIZE(data, block_scales, scale_inv, rows, torch.float32)
+    rows = _block_rows(data.shape, block_scales, 128)
+    return FP8_BLOCK_DEQUANTIZE(data, block_scales, rows, torch.float32)

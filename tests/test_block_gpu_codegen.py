@@ -92,6 +92,16 @@ VARIANTS = {
         {**_NV_ARGS, "Q": "*bf16"},
         {**_NV_CONST, "TILE_ROWS": 16, "BLOCK_RB": 1, "PACKED": False},
     ),
+    "fp8_block_dequantize": (
+        bq._fp8_block_dequantize_kernel,
+        {"D": "*u8", "S": "*fp32", "Y": "*bf16", "n_rows": "i32", "n_cols": "i32", "n_blocks": "i32"},
+        {"BLOCK_ROWS": 128, "MANT": 2, "BIAS": 15, "FN": False, "BLOCK_R": 16, "BLOCK_C": 128},
+    ),
+    "nvfp4_dequantize": (
+        nv._nvfp4_dequantize_kernel,
+        {"D": "*u8", "S": "*u8", "G": "*fp32", "Y": "*fp32", "n_rows": "i32", "n_cols": "i32", "n_blocks": "i32"},
+        {"BLOCK_ROWS": 16, "BLOCK_R": 16, "BLOCK_C": 128},
+    ),
     "rht16": (
         hd._rht_kernel,
         {"X": "*bf16", "SEED": "*i64", "Y": "*fp32", "n_rows": "i32"},

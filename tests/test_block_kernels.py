@@ -372,3 +372,42 @@ def test_fast_random_bits_equal_the_reference_across_a_2_32_boundary():
         fast = hadamard.random_bits_fast(seed, start, 200)
         ref = hadamard.random_bits_ref(torch.tensor(seed), torch.arange(start, start + 200))
         assert torch.equal(fast, ref), start
+
+
+# ----------------------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("qdtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize(("shape", "block_rows"), [((3, 300), 1), ((2, 1, 37), 1), ((130, 200), 128), ((0, 8), 1)])
+def test_fp8_block_dequantize_kernel_twin_and_reference(shape, block_rows, qdtype):
+    x = _spread(shape, seed=3)
+    if x.numel():
+        x.view(-1)[1] = math.nan
+    cast = bq.fp8_block_cast_2d_ref if block_rows > 1 else lambda x, *a: bq.fp8_block_cast_ref(x, "", 0, 0, 0, *a)
+    q, sinv = cast(x, qdtype, qdtype, True, 0.0)
+    out = _interpret(bq.fp8_block_dequantize, q, sinv, block_rows, torch.float32)
+    out_bf16 = _interpret(bq.fp8_block_dequantize, q, sinv, block_rows, torch.bfloat16)
+    twin = bq.fp8_block_dequantize_ref(q, sinv, block_rows, torch.float32)
+    _, _, ref = fp8_block_reference(x, block_rows, qdtype)
+    assert same_values(out, twin) and same_values(out, ref) and same_values(out_bf16, ref.to(torch.bfloat16))
+    every_code = torch.arange(256, dtype=torch.uint8).view(qdtype).reshape(2, 128)  # NaN, ±0, subnormals, max
+    ones = torch.ones(2, 1)
+    decoded = _interpret(bq.fp8_block_dequantize, every_code, ones, 1, torch.float32)
+    assert same_values(decoded, every_code.double())
+
+
+@pytest.mark.parametrize(("shape", "tile_rows"), [((3, 300), 1), ((2, 1, 38), 1), ((40, 50), 16), ((0, 8), 1)])
+def test_nvfp4_dequantize_kernel_twin_and_reference(shape, tile_rows):
+    x = _spread(shape, seed=4)
+    amax = _amax(x)
+    packed, scales = nv.nvfp4_cast_ref(x, amax, _NO_SEED, "", 0.0, 0.0, 0.0, tile_rows, False, torch.uint8)
+    gd = nv.global_scales_ref(amax)[1]
+    out = _interpret(nv.nvfp4_dequantize, packed, scales, gd, tile_rows, torch.float32)
+    twin = nv.nvfp4_dequantize_ref(packed, scales, gd, tile_rows, torch.float32)
+    ref = nvfp4_reference(x, tile_rows)
+    assert same_values(out, twin) and same_values(out, f32_of(ref["deq"]))
+    every_code = torch.arange(256, dtype=torch.uint8).reshape(1, 256)  # all nibble pairs, NaN block scales
+    nan_scales = torch.tensor([[1.0] * 31 + [math.nan]]).to(torch.float8_e4m3fn)
+    decoded = _interpret(nv.nvfp4_dequantize, every_code, nan_scales, torch.tensor(0.5), 1, torch.float32)
+    assert same_values(decoded, nv.nvfp4_dequantize_ref(every_code, nan_scales, torch.tensor(0.5), 1, torch.float32))
+    assert decoded[0, -16:].isnan().all() and decoded[0, :2].tolist() == [0.0, 0.0] and decoded[0, 2].item() == 0.25

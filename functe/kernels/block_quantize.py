@@ -419,5 +419,100 @@ def fp8_block_cast_2d_ref(
     return _fp8_block_ref(x, "", 0.0, 0.0, 0.0, qdtype, out_dtype, BLOCK, pow2, eps)
 
 
+# ----------------------------------------------------------------------------- dequantize
+
+
+@jit
+def decode_fp8(bits, MANT: tl.constexpr, BIAS: tl.constexpr, FN: tl.constexpr):
+    """fp32 values of float8 bit patterns (u8): exact integer decoding, since Triton's interpreter
+    decodes E4M3's NaN (0x7F) as 480. ``FN``: E4M3 (NaN = S.1111.111, no inf), else IEEE-like E5M2."""
+    b = bits.to(tl.int32)
+    e = (b >> MANT) & ((1 << (7 - MANT)) - 1)
+    m = b & ((1 << MANT) - 1)
+    normal = (((e - BIAS + 127) << 23) | (m << (23 - MANT))).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * (2.0 ** (1 - BIAS - MANT)), normal)
+    if FN:
+        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+    else:
+        top = (1 << (7 - MANT)) - 1
+        v = tl.where(e == top, tl.where(m == 0, float("inf"), float("nan")), v)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@jit
+def block_scale_at(S, rows, cols, n_blocks, mask, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """The block scale (as stored) of each element ``(rows, cols)``."""
+    return tl.load(S + (rows // BLOCK_ROWS) * n_blocks + cols // BLOCK_COLS, mask=mask, other=0)
+
+
+@jit
+def _fp8_block_dequantize_kernel(
+    D,
+    S,
+    Y,
+    n_rows,
+    n_cols,
+    n_blocks,
+    BLOCK_ROWS: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    rows = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    mask = (rows < n_rows) & (cols < n_cols)
+    q = decode_fp8(tl.load(D + rows * n_cols + cols, mask=mask, other=0), MANT, BIAS, FN)
+    s = block_scale_at(S, rows, cols, n_blocks, mask, BLOCK_ROWS, 128)
+    tl.store(Y + rows * n_cols + cols, (q * s).to(Y.dtype.element_ty), mask=mask)
+
+
+def dequantize_grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, BLOCK_R, BLOCK_C) of an elementwise dequantize over a ``[n_rows, n_cols]`` matrix."""
+    block_c = min(next_power_of_2(n_cols), 128)
+    block_r = max(1, min(next_power_of_2(n_rows), 2048 // block_c))
+    return (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c)), block_r, block_c
+
+
+def fp8_block_dequantize(data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype) -> Tensor:
+    """``data * scale_inv`` per block: float8 ``data [..., K]``, fp32 ``scale_inv`` of 1x128 blocks
+    (``block_rows=1``: ``[..., ceil(K/128)]``) or 128x128 blocks (``[ceil(M/128), ceil(K/128)]``)."""
+    rows = rows_2d(data.contiguous())
+    y = torch.empty(data.shape, dtype=out_dtype, device=data.device)
+    if rows.numel():
+        grid, block_r, block_c = dequantize_grid(*rows.shape)
+        fmt = FP8_FORMATS[data.dtype]
+        _fp8_block_dequantize_kernel[grid](
+            rows.view(torch.uint8),
+            scale_inv.contiguous(),
+            y,
+            rows.shape[0],
+            rows.shape[1],
+            scale_inv.shape[-1],
+            BLOCK_ROWS=block_rows,
+            MANT=fmt.mant,
+            BIAS=fmt.bias,
+            FN=data.dtype == torch.float8_e4m3fn,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+        )
+    return y
+
+
+def expand_block_scales(scales: Tensor, shape: torch.Size, block_rows: int, block_cols: int) -> Tensor:
+    """Per-element fp32 scales of a tensor of ``shape`` from its block scales (1-D or 2-D blocks)."""
+    s = scales.to(torch.float32)
+    if block_rows > 1:
+        s = s.repeat_interleave(block_rows, 0)[: shape[0]]
+    return s.repeat_interleave(block_cols, -1)[..., : shape[-1]]
+
+
+def fp8_block_dequantize_ref(data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype) -> Tensor:
+    """PyTorch twin of :func:`fp8_block_dequantize`."""
+    return (data.to(torch.float32) * expand_block_scales(scale_inv, data.shape, block_rows, BLOCK)).to(out_dtype)
+
+
 FP8_BLOCK_CAST = Kernel("fp8_block_cast", fp8_block_cast, fp8_block_cast_ref, batch=Rowwise())
 FP8_BLOCK_CAST_2D = Kernel("fp8_block_cast_2d", fp8_block_cast_2d, fp8_block_cast_2d_ref)
+FP8_BLOCK_DEQUANTIZE = Kernel("fp8_block_dequantize", fp8_block_dequantize, fp8_block_dequantize_ref)

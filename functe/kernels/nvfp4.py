@@ -46,8 +46,12 @@ from .block_quantize import (
     act_value,
     act_value_ref,
     block_amax_ref,
+    block_scale_at,
     blocked,
     by_row_chunks,
+    decode_fp8,
+    dequantize_grid,
+    expand_block_scales,
     grid_step_ref,
     nan_max,
     round_to_grid_ref,
@@ -277,8 +281,8 @@ def e2m1_codes_ref(r: Tensor, step: Tensor, wz: Tensor) -> Tensor:
     return mag | ((wz.view(torch.int32) >> 28) & 8)
 
 
-def decode_e2m1(codes: Tensor) -> Tensor:
-    """E2M1 values (fp32) of 4-bit codes (any integer tensor)."""
+def decode_e2m1_ref(codes: Tensor) -> Tensor:
+    """Twin of :func:`decode_e2m1`: E2M1 values (fp32) of 4-bit codes (any integer tensor)."""
     table = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], dtype=torch.float32, device=codes.device)
     return table[codes.long()]
 
@@ -286,7 +290,7 @@ def decode_e2m1(codes: Tensor) -> Tensor:
 def unpack_e2m1(packed: Tensor) -> Tensor:
     """``u8[..., K/2]`` packed codes -> fp32 values ``[..., K]`` (element ``2i`` in the low nibble)."""
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-    return decode_e2m1(codes)
+    return decode_e2m1_ref(codes)
 
 
 def global_scales_ref(amax: Tensor) -> tuple[Tensor, Tensor]:
@@ -356,4 +360,70 @@ def nvfp4_cast_ref(
     return q.reshape(*x.shape[:-1], q.shape[-1]), scales.reshape(*lead, scales.shape[-1])
 
 
+# ----------------------------------------------------------------------------- dequantize
+
+
+@jit
+def decode_e2m1(code):
+    """fp32 values of 4-bit E2M1 codes (int32): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, bit 3 the sign."""
+    m = code & 7
+    v = tl.where(m < 4, m.to(tl.float32) * 0.5, tl.where(m < 6, (m - 2).to(tl.float32), (m - 4).to(tl.float32) * 2.0))
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@jit
+def _nvfp4_dequantize_kernel(
+    D,
+    S,
+    G,
+    Y,
+    n_rows,
+    n_cols,
+    n_blocks,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    rows = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    mask = (rows < n_rows) & (cols < n_cols)
+    byte = tl.load(D + rows * (n_cols // 2) + cols // 2, mask=mask, other=0).to(tl.int32)
+    q = decode_e2m1(tl.where(cols % 2 == 0, byte & 0xF, byte >> 4))
+    s = decode_fp8(block_scale_at(S, rows, cols, n_blocks, mask, BLOCK_ROWS, 16), 3, 7, True)
+    tl.store(Y + rows * n_cols + cols, (q * s * tl.load(G)).to(Y.dtype.element_ty), mask=mask)
+
+
+def nvfp4_dequantize(
+    data: Tensor, scales: Tensor, global_decode: Tensor, block_rows: int, out_dtype: torch.dtype
+) -> Tensor:
+    """``e2m1 · s · global_decode`` of packed codes ``data [..., K/2]`` with E4M3 block scales of
+    1x16 (``block_rows=1``: ``[..., ceil(K/16)]``) or 16x16 blocks (``[ceil(M/16), ceil(K/16)]``)."""
+    rows = rows_2d(data.contiguous())
+    y = torch.empty((*data.shape[:-1], 2 * data.shape[-1]), dtype=out_dtype, device=data.device)
+    if rows.numel():
+        grid, block_r, block_c = dequantize_grid(rows.shape[0], 2 * rows.shape[1])
+        _nvfp4_dequantize_kernel[grid](
+            rows,
+            scales.contiguous().view(torch.uint8),
+            global_decode.to(torch.float32),
+            y,
+            rows.shape[0],
+            2 * rows.shape[1],
+            scales.shape[-1],
+            BLOCK_ROWS=block_rows,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+        )
+    return y
+
+
+def nvfp4_dequantize_ref(
+    data: Tensor, scales: Tensor, global_decode: Tensor, block_rows: int, out_dtype: torch.dtype
+) -> Tensor:
+    """PyTorch twin of :func:`nvfp4_dequantize`."""
+    values = unpack_e2m1(data)
+    return (values * expand_block_scales(scales, values.shape, block_rows, BLOCK) * global_decode).to(out_dtype)
+
+
 NVFP4_CAST = Kernel("nvfp4_cast", nvfp4_cast, nvfp4_cast_ref)
+NVFP4_DEQUANTIZE = Kernel("nvfp4_dequantize", nvfp4_dequantize, nvfp4_dequantize_ref)
