@@ -2,7 +2,8 @@
 
 Triton's interpreter is more permissive than its compiler (it reads plain Python globals inside
 kernels, for example), so a kernel that passes every interpreter test may still fail to compile
-on the first GPU it meets. Triton can compile to a cubin for a given target with the ptxas it
+on the first GPU it meets. The compiles run after interpreted launches, in the same process, as
+in a ``FUNCTE_TEST_CUDA=1`` run. Triton can compile to a cubin for a given target with the ptxas it
 ships, no device needed: every specialisation the launchers use is compiled here (each variant
 takes ~0.5-5 s). Numerics on a GPU remain untested (``docs/block_scaling.md``).
 """
@@ -108,6 +109,21 @@ VARIANTS = {
         {"INVERSE": False, "BLOCK_R": 64, "COMPUTE": tl.float32},
     ),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreted_first():
+    """Interpret kernels that call Triton's own helpers (tl.max, tl.zeros_like) before compiling:
+    Triton's interpreter used to leave triton.language patched after such device-function calls
+    (functe.kernels._triton restores it), which broke every later compile in the process."""
+    import torch
+
+    import functe
+
+    x = torch.randn(4, 32)
+    with functe.use_backend("interpret"):
+        nv.nvfp4_cast(x, x.abs().max(), torch.tensor(1), "", 0.0, 0.0, 0.0, 1, True, torch.uint8)
+        hd.rht16(x, torch.tensor(1), False, torch.float32)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -411,3 +411,15 @@ def test_nvfp4_dequantize_kernel_twin_and_reference(shape, tile_rows):
     decoded = _interpret(nv.nvfp4_dequantize, every_code, nan_scales, torch.tensor(0.5), 1, torch.float32)
     assert same_values(decoded, nv.nvfp4_dequantize_ref(every_code, nan_scales, torch.tensor(0.5), 1, torch.float32))
     assert decoded[0, -16:].isnan().all() and decoded[0, :2].tolist() == [0.0, 0.0] and decoded[0, 2].item() == 0.25
+
+
+def test_launchers_take_non_contiguous_and_stride_0_inputs():
+    row = torch.randn(1, 160)
+    for x in (row.expand(6, 160), torch.randn(160, 6).t()):  # stride 0 (a .sum() gradient), transposed
+        fp8 = _interpret(bq.fp8_block_cast, x, "", 0.0, 0.0, 0.0, E4M3, torch.float32, True, 0.0)
+        fp4 = _interpret(nv.nvfp4_cast, x, _amax(x), _NO_SEED, "", 0.0, 0.0, 0.0, 1, True, torch.uint8)
+        rht = _interpret(hadamard.rht16, x, _NO_SEED, False, torch.float32)
+        c = x.contiguous()
+        assert torch.equal(fp8[0], bq.fp8_block_cast_ref(c, "", 0.0, 0.0, 0.0, E4M3, torch.float32, True, 0.0)[0])
+        assert torch.equal(fp4[0], nv.nvfp4_cast_ref(c, _amax(c), _NO_SEED, "", 0.0, 0.0, 0.0, 1, True, torch.uint8)[0])
+        assert torch.equal(rht, hadamard.rht16_ref(c, _NO_SEED, False, torch.float32))
