@@ -1,20 +1,20 @@
 """Fusion executor benchmarks: per-call overhead, and the MLP block forward+backward.
 
 The block is TransformerEngine's LayerNormMLP shape: LayerNorm, Linear+bias, GELU (tanh),
-Linear+bias, residual add. The overhead table adds a block of native functe ops only
-(Linear+bias, constant scale, Linear+bias, residual add), which isolates the executor's own
-per-call cost from the opaque wrappers. Each case compares, in one run, the same computation in
+Linear+bias, residual add. The overhead table adds a block without the norm and the activation
+(Linear+bias, constant scale, Linear+bias, residual add). Each case compares, in one run, the same
+computation in
 
 * ``eager``: plain torch (``F.layer_norm``, ``F.linear``, ``F.gelu``, ``+``);
 * ``compile``: ``torch.compile`` of that code, gradients taken outside;
 * ``functe``: the block written with functe ops, unfused (every op its own custom_vjp);
 * ``fuse``: ``functe.fuse`` of the functe block (cached plan, forward and backward fusions).
 
-TODO(phase 2, after issue 3 lands): ``layer_norm`` and ``gelu`` below are ``functe.opaque``
-wrappers of the torch functions (differentiated with torch.func, which re-enters the autograd
-engine in the backward); switch them to ``functe.ops.layer_norm`` / ``functe.ops.gelu`` and
-re-run. On a CUDA machine everything runs on the GPU (the fused GEMMs still use torch.addmm
-until issue 6's Triton epilogues are merged).
+The functe block uses ``functe.ops.layer_norm`` and ``functe.ops.gelu``. In bf16 the fused plan
+puts fc1's bias and GELU into one GEMM epilogue, fc2's residual add into its GEMM, and the GELU
+backward with fc1's bias gradient into one pass; in fp32 the epilogue rule declines (TE's
+condition). On a CUDA machine everything runs on the GPU, the fused GEMMs as functe's Triton
+kernels (16-bit).
 
 Run: ``python -m benchmarks.bench_fuse`` (``--skip-large`` for the overhead table only).
 """
@@ -22,7 +22,6 @@ Run: ``python -m benchmarks.bench_fuse`` (``--skip-large`` for the overhead tabl
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -31,13 +30,9 @@ import torch.nn.functional as F
 import functe
 from functe import ops
 
-from ._harness import bench, machine, table
+from ._harness import machine, table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-# TODO(phase 2): functe.ops.layer_norm(x, weight, bias) and functe.ops.gelu(x).
-layer_norm = functe.opaque(lambda x, g, b: F.layer_norm(x, (x.shape[-1],), g, b), name="layer_norm")
-gelu = functe.opaque(F.gelu)
 
 
 def mlp_torch(x, p):
@@ -47,8 +42,8 @@ def mlp_torch(x, p):
 
 
 def mlp_functe(x, p):
-    h = layer_norm(x, p["ln.weight"], p["ln.bias"])
-    h = gelu(ops.linear(h, p["fc1.weight"], p["fc1.bias"]), approximate="tanh")
+    h = ops.layer_norm(x, p["ln.weight"], p["ln.bias"])
+    h = ops.gelu(ops.linear(h, p["fc1.weight"], p["fc1.bias"]))
     return ops.linear(h, p["fc2.weight"], p["fc2.bias"]) + x
 
 
@@ -117,16 +112,25 @@ def per_call(fn, *, calls: int = 200, rounds: int = 15) -> float:
     return best
 
 
-def cpu_seconds(fn, *, warmup: int = 1, reps: int = 3) -> float:
-    """Median CPU time of the whole process (all threads) per call of ``fn``."""
-    for _ in range(warmup):
-        fn()
-    samples = []
+def interleaved(steps: dict, *, reps: int) -> tuple[dict, dict]:
+    """Best-of-``reps`` wall and process-CPU seconds per step, the implementations timed in turn.
+
+    On a shared machine the other processes' load changes within seconds; timing the candidates
+    round-robin and keeping each one's best round compares them under the same conditions.
+    """
+    for step in steps.values():  # warm up (torch.compile compiles here)
+        step()
+    wall = {k: float("inf") for k in steps}
+    cpu = dict(wall)
     for _ in range(reps):
-        start = time.process_time()
-        fn()
-        samples.append(time.process_time() - start)
-    return statistics.median(samples)
+        for k, step in steps.items():
+            w, c = time.perf_counter(), time.process_time()
+            step()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            wall[k] = min(wall[k], time.perf_counter() - w)
+            cpu[k] = min(cpu[k], time.process_time() - c)
+    return wall, cpu
 
 
 def overhead() -> str:
@@ -152,12 +156,12 @@ def large(dtypes, reps: int) -> str:
         cot = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(1)).to(dtype=dtype, device=DEVICE)
         steps = {k: _fwd_bwd(f, x, p, cot) for k, f in implementations().items()}
         name = f"fwd+bwd {str(dtype).removeprefix('torch.')}"
-        wall.append((name, {k: bench(step, warmup=1, reps=reps) for k, step in steps.items()}))
-        if DEVICE == "cpu":
-            cpu.append((name, {k: cpu_seconds(step, reps=reps) for k, step in steps.items()}))
-    title = "MLP block forward+backward (4096 tokens, 1024 hidden, 4096 ffn)"
+        w, c = interleaved(steps, reps=reps)
+        wall.append((name, w))
+        cpu.append((name, c))
+    title = f"MLP block forward+backward (4096 tokens, 1024 hidden, 4096 ffn), best of {reps} interleaved rounds"
     tables = [table(f"{title}, wall time", wall, baseline="eager")]
-    if cpu:
+    if DEVICE == "cpu":
         tables.append(table(f"{title}, process CPU time", cpu, baseline="eager"))
     return "\n\n".join(tables)
 
@@ -165,7 +169,7 @@ def large(dtypes, reps: int) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-large", action="store_true", help="only the per-call overhead table")
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions of the large case")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds of the large case")
     args = parser.parse_args()
     print(machine())
     print()

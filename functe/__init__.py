@@ -15,7 +15,13 @@ from ._checkpoint import load_tree as load_tree
 from ._checkpoint import save_tree as save_tree
 from ._checkpoint import tree_from_dict as tree_from_dict
 from ._checkpoint import tree_to_dict as tree_to_dict
+from ._collectives import Group as Group
+from ._collectives import collective_checks as collective_checks
+from ._collectives import set_collective_checks as set_collective_checks
+from ._data_parallel import all_reduce_gradients as all_reduce_gradients
+from ._data_parallel import data_parallel_value_and_grad as data_parallel_value_and_grad
 from ._errors import DeviceError as DeviceError
+from ._errors import DistributedError as DistributedError
 from ._errors import DTypeError as DTypeError
 from ._errors import FuncteError as FuncteError
 from ._errors import RecipeError as RecipeError
@@ -38,6 +44,7 @@ from ._oplist import Literal as Literal
 from ._oplist import OpList as OpList
 from ._oplist import Var as Var
 from ._oplist import check_oplist as check_oplist
+from ._parallel import LinearParallelism as LinearParallelism
 from ._quantize import QuantizedTensor as QuantizedTensor
 from ._quantize import dequantize as dequantize
 from ._quantize import quantize as quantize

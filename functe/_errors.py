@@ -130,3 +130,7 @@ def check_same_device(op: str, tensors: dict[str, Any]) -> None:
 
 class RecipeError(FuncteError, ValueError):
     """A quantization recipe is misconfigured (an unsupported format, a bad history length...)."""
+
+
+class DistributedError(FuncteError, RuntimeError):
+    """The ranks of a process group disagree: they reached different collectives at the same point."""

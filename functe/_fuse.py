@@ -366,9 +366,11 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
     backward raise, through the same guard as custom_vjp.
     """
 
+    single = out_tree == LEAF
+
     def fwd(ctx, *tensors):
         out, res = forward(*tensors)
-        out_leaves = tree_leaves(out)
+        out_leaves = [out] if single else tree_leaves(out)
         res_leaves, res_tree = tree_flatten(res)
         layout = [_SAVED if isinstance(r, Tensor) else r for r in res_leaves]
         saved = [r for r in res_leaves if isinstance(r, Tensor)]
@@ -383,7 +385,7 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
         res_tree, layout, n_new = ctx.residual_layout
         saved = iter(ctx.saved_tensors)
         res = tree_unflatten(res_tree, [next(saved) if leaf is _SAVED else leaf for leaf in layout])
-        cts = tree_unflatten(out_tree, list(grads))
+        cts = grads[0] if single else tree_unflatten(out_tree, list(grads))
         if not torch.is_grad_enabled():
             return backward(res, cts)
         grads_in = list(backward_op(res, cts))
@@ -391,8 +393,24 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
 
     function = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
+    # autograd.Function.apply's Python layer binds arguments and unwraps dead torch.func wrappers,
+    # one generator step per argument; this node is used only when no transform is active, so it
+    # calls the C implementation directly unless an argument is a (dead) wrapper.
+    checked_apply = function.apply
+    c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+    def apply(*tensors):
+        for t in tensors:
+            if is_wrapped(t):
+                return checked_apply(*tensors)
+        return c_apply(*tensors)
+
+    if single:
+        return lambda *tensors: apply(*tensors)[0]
+
     def call(*tensors):
-        return tree_unflatten(out_tree, list(function.apply(*tensors)))
+        return tree_unflatten(out_tree, list(apply(*tensors)))
 
     return call
 
@@ -436,11 +454,14 @@ class Fused:
             index, order = _compiled_plan_index(self, _constant_key((args, kwargs), walked))
             plan = self._plans[index]
             tensors = [walked[i] for i in order]
-        else:
-            plan, tensors = self._plan_and_tensors(args, kwargs)
+            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                return plan.op(*tensors)  # Dynamo traces the custom_vjp op
+            return plan.infer(*tensors)
+        index, tensors = self._lookup(args, kwargs)
+        plan = self._plans[index]
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
-                return plan.op(*tensors)  # torch.func transforms and Dynamo need the custom_vjp op
+            if torch._C._functorch.maybe_current_level() is not None:
+                return plan.op(*tensors)  # torch.func transforms need the custom_vjp op
             return plan.eager(*tensors)
         return plan.infer(*tensors)
 
@@ -451,11 +472,14 @@ class Fused:
     def _lookup(self, args, kwargs) -> tuple[int, list[Tensor]]:
         """The plan index for these arguments (tracing on a new signature) and their tensor leaves."""
         leaves, spec = tree_flatten((args, kwargs))
-        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-        key = (
-            spec,
-            *[(x.shape, x.dtype, x.device) if isinstance(x, Tensor) else (type(x), x) for x in leaves],
-        )
+        tensors, key = [], [spec]
+        for x in leaves:  # (one pass: this is the cached call's main cost besides the ops)
+            if isinstance(x, Tensor):
+                tensors.append(x)
+                key.append((x.shape, x.dtype, x.device))
+            else:
+                key.append((type(x), x))
+        key = tuple(key)
         try:
             index = self._index.get(key)
         except TypeError:

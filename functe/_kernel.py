@@ -72,9 +72,12 @@ class Kernel:
         self.function = _make_function(self)
 
     def __call__(self, *args):
+        for first in args:
+            if isinstance(first, Tensor):
+                break
+        if not runs_triton(first.device):
+            return self.twin(*args)  # (the common CPU path: no list of tensors built)
         tensors = [a for a in args if isinstance(a, Tensor)]
-        if not runs_triton(tensors[0].device):
-            return self.twin(*args)
         if torch.compiler.is_compiling():
             # Dynamo cannot nest a Function inside the op Function it traces;
             # the opaque custom op is all it needs (compiled code is first-order).

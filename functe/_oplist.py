@@ -27,6 +27,8 @@ arity against the pytree structures).
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import heapq
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -225,7 +227,32 @@ def _literal_text(value: Any) -> str:
 def _param_text(value: Any) -> str:
     if isinstance(value, torch.dtype):
         return dtype_name(value)
+    if isinstance(value, enum.Enum):
+        return value.name
+    if _generated_repr(value):
+        # Configuration values (recipes) print their non-default fields only: readable printouts.
+        # A dataclass that writes its own __repr__ (e.g. LinearParallelism) prints with it.
+        fields = [
+            f"{f.name}={_param_text(getattr(value, f.name))}"
+            for f in dataclasses.fields(value)
+            if f.repr and _differs(getattr(value, f.name), f.default)
+        ]
+        return f"{type(value).__name__}({', '.join(fields)})"
     return repr(value)
+
+
+def _generated_repr(value: Any) -> bool:
+    """A dataclass instance whose ``__repr__`` is the one ``dataclasses`` generated (it wraps a helper)."""
+    return (
+        dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(type(value).__repr__, "__wrapped__")
+    )
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except Exception:  # (a value whose comparison is not a bool, e.g. a tensor: print it)
+        return True
 
 
 def _op_names(eqns: Iterable[Eqn]) -> dict[Any, str]:

@@ -1,7 +1,8 @@
 """Quantized tensors and the recipe-level casts built on the quantizing kernels.
 
 :func:`quantize` and :func:`dequantize` are the public, non-differentiable conversions; the
-helpers below (``cast``, ``cast_dbias``, ``cast_act``, ``cast_dact_dbias``) are what quantizing
+helpers below (``cast``, ``cast_dbias``, ``cast_act``, ``cast_dact_dbias``, and for the fused ops of
+``functe.fuse`` ``cast_norm``, ``cast_act_output``, ``cast_dact_output_dbias``) are what quantizing
 ops use inside their rules, one per fused kernel: they run delayed scaling in one pass (cast with
 the state's scale, amax of the same pass) and current scaling in two (amax, scale on the
 device, cast). MXFP8 has no fused variants yet.
@@ -18,10 +19,13 @@ from ._recipe import BLOCK_RECIPES, ROLES, DelayedScaling, MXFP8BlockScaling, Re
 from ._seed import seed_tensor
 from ._state import ScalingState, check_scaling_state
 from ._tree import pytree_dataclass
+from .kernels.norm_quantize import NORM_CAST_AMAX
 from .kernels.quantize import (
     ACT_CAST_AMAX,
+    ACT_OUTPUT_CAST_AMAX,
     CAST_AMAX,
     DACT_DBIAS_CAST_AMAX,
+    DACT_OUTPUT_DBIAS_CAST_AMAX,
     DBIAS_CAST_AMAX,
     MXFP8_CAST,
     e8m0_to_float,
@@ -136,6 +140,81 @@ def cast_dact_dbias(dy: Tensor, x: Tensor, act: str, recipe: Recipe, role: str, 
     scale = current_scale(amax, recipe=recipe, role=role)
     q, _, _ = DACT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
     return q, dbias, scale, amax
+
+
+def _delayed_or_current(run, recipe: Recipe, role: str, scale: Tensor | None, device: torch.device):
+    """The per-tensor scaling logic around a quantizing kernel ``run(scale, write)`` (results, amax last).
+
+    Delayed scaling: one pass with the state's scale. Current scaling: a pass for the amax (and any
+    other result, e.g. dbias), the scale on the device, then the cast pass. Returns the kernel's
+    results with the scale used inserted before the amax.
+    """
+    if isinstance(recipe, DelayedScaling):
+        *out, amax = run(scale, True)
+        return (*out, scale, amax)
+    _, *others, amax = run(_ONE.to(device), False)
+    scale = current_scale(amax, recipe=recipe, role=role)
+    return (run(scale, True)[0], *others, scale, amax)
+
+
+def cast_norm(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    kind: str,
+    eps: float,
+    zero_centered_gamma: bool,
+    recipe: Recipe,
+    role: str,
+    scale: Tensor | None,
+    out_dtype: torch.dtype,
+):
+    """``norm(x)`` quantized in the norm's own kernel (q-in): ``(q, scale used, amax)``.
+
+    ``kind`` is ``"layer"`` (LayerNorm, ``bias`` = β) or ``"rms"`` (RMSNorm, ``bias`` None). Equals
+    ``cast(norm(x), ...)`` bit for bit. Delayed scaling: one pass; current scaling: the kernel runs
+    twice (amax, then cast), recomputing the norm instead of storing it (see
+    :mod:`functe.kernels.norm_quantize`).
+    """
+    qdtype = recipe.dtype(role)
+
+    def run(s, write):
+        return NORM_CAST_AMAX(x, weight, bias, s, eps, kind, zero_centered_gamma, qdtype, out_dtype, write)
+
+    return _delayed_or_current(run, recipe, role, scale, x.device)
+
+
+def cast_act_output(
+    x: Tensor,
+    act: str,
+    recipe: Recipe,
+    role: str,
+    scale: Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    limit: float = 0.0,
+    alpha: float = 0.0,
+    offset: float = 0.0,
+):
+    """:func:`cast_act` of the activation's output rounded to x's dtype: equals ``cast(activation(x))``
+    bit for bit (what the fused [activation, fp8_linear] op needs). ``(q, scale used, amax)``."""
+    qdtype = recipe.dtype(role)
+
+    def run(s, write):
+        return ACT_OUTPUT_CAST_AMAX(x, s, act, limit, alpha, offset, qdtype, out_dtype, write)
+
+    return _delayed_or_current(run, recipe, role, scale, x.device)
+
+
+def cast_dact_output_dbias(dy: Tensor, x: Tensor, act: str, recipe: Recipe, role: str, scale, out_dtype: torch.dtype):
+    """:func:`cast_dact_dbias` of ``g = dy * act'(x)`` rounded to x's dtype: equals
+    ``cast_dbias(dactivation(dy, x))`` bit for bit. ``(q, dbias, scale used, amax)``."""
+    qdtype = recipe.dtype(role)
+
+    def run(s, write):
+        return DACT_OUTPUT_DBIAS_CAST_AMAX(dy, x, s, act, qdtype, out_dtype, write)
+
+    return _delayed_or_current(run, recipe, role, scale, dy.device)
 
 
 _ONE = torch.ones((), dtype=torch.float32)

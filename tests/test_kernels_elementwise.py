@@ -61,3 +61,17 @@ def test_inf_and_nan_propagate_identically():
     assert y[0, 1] == float("inf") and y[0, 3] == -float("inf")
     assert s[0, 1] == -float("inf") and s[0, 2].isnan()
     assert db[1] == float("inf") and db[2].isnan() and db[3] == -float("inf")
+
+
+def test_interpreted_bf16_stores_round_to_nearest_even_like_a_gpu():
+    # Triton's interpreter truncates fp32 -> bf16; functe patches that one cast to round to
+    # nearest even, so interpreted bf16 outputs are bit-identical to the twins (torch rounds RNE).
+    x = make((4096,), torch.bfloat16)
+    with functe.use_backend("interpret"):
+        y = elementwise.axpby(x, None, 1.0 + 2**-12, 0.0)
+    assert torch.equal(y, elementwise.axpby_ref(x, None, 1.0 + 2**-12, 0.0))
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 3.0e38], dtype=torch.bfloat16)
+    with functe.use_backend("interpret"):
+        out = elementwise.axpby(specials, None, 1.0, 0.0)
+    assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf")
+    assert torch.equal(out[3:], specials[3:])

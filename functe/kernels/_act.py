@@ -23,9 +23,11 @@ name          f(x)                              f'(x)
 Gated activations (last dim 2H -> H) apply ``f`` to the **first** half and
 multiply by the second, as TE does (PyTorch's ``F.glu`` gates the other half).
 
-Special values: NaN propagates through every f and f' (TE's ``fmaxf``-based
-relu would turn NaN into 0, hiding a diverged run); ±inf give the limits of
-the formulas (e.g. relu(−inf) = 0, σ(−inf) = 0) wherever those are defined.
+Special values: NaN propagates through every f (TE's ``fmaxf``-based relu
+would turn NaN into 0, hiding a diverged run) and through every f' except the
+piecewise-linear ones, whose derivatives are TE's literal ``x > 0 ? 1 : 0`` and
+``x > 0 ? 2x : 0`` (0 for NaN; the forward value is NaN already). ±inf give the
+limits of the formulas (e.g. relu(−inf) = 0, σ(−inf) = 0) wherever defined.
 """
 
 from __future__ import annotations
@@ -102,9 +104,9 @@ def act_grad(x, ACT: tl.constexpr):
         s = sigmoid(1.702 * x)
         d = s + 1.702 * x * s * (1.0 - s)
     elif ACT == 2:
-        d = tl.where(x > 0, 1.0, tl.where(x <= 0, 0.0, x))  # 0 at x = 0 (TE), NaN stays NaN
+        d = tl.where(x > 0, 1.0, 0.0)  # TE's drelu: 0 at x = 0 and for NaN
     elif ACT == 3:
-        d = tl.where(x < 0, 0.0, 2.0 * x)
+        d = tl.where(x > 0, 2.0 * x, 0.0)  # TE's dsrelu, max(2x, 0) with fmaxf's NaN -> 0
     elif ACT == 4:
         s = sigmoid(x)
         d = s + x * s * (1.0 - s)
@@ -169,9 +171,9 @@ def act_grad_ref(x: torch.Tensor, name: str) -> torch.Tensor:
         s = torch.sigmoid(_QGELU_ALPHA * x)
         return s + _QGELU_ALPHA * x * s * (1.0 - s)
     if name == "relu":
-        return torch.where(x > 0, torch.ones_like(x), torch.where(x <= 0, torch.zeros_like(x), x))
+        return (x > 0).to(x.dtype)
     if name == "srelu":
-        return torch.where(x < 0, torch.zeros_like(x), 2.0 * x)
+        return torch.where(x > 0, 2.0 * x, torch.zeros_like(x))
     if name == "silu":
         s = torch.sigmoid(x)
         return s + x * s * (1.0 - s)

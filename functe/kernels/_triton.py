@@ -98,7 +98,33 @@ def _make_triton_library_switchable() -> None:
         for value in list(vars(module).values()):
             if type(value) is JITFunction:
                 value.__class__ = _SwitchableJIT
+    _round_bf16_to_nearest_even()
     _library_switchable = True
+
+
+def _round_bf16_to_nearest_even() -> None:
+    """Make the interpreter's fp32 -> bf16 cast round to nearest even, as GPUs do.
+
+    Triton's interpreter (3.6-3.9) truncates the mantissa, so an interpreted
+    kernel's bf16 outputs could be one ulp off the compiled kernel's and the
+    twins'. Only that one cast is replaced; NaN stays a quiet NaN of its sign.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = type(interpreter.interpreter_builder)
+    truncating_cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+            quiet_nan = ((bits >> 16) | np.uint32(0x0040)).astype(np.uint16)
+            return interpreter.TensorHandle(np.where(np.isnan(src.data), quiet_nan, rounded), tl.bfloat16)
+        return truncating_cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
 
 
 def jit(fn):

@@ -38,7 +38,7 @@ import triton.language as tl
 from .._errors import ShapeError
 from .._kernel import Kernel, Rowwise
 from ._common import as_rows, compute_dtype, tl_compute_dtype
-from ._fast import eager_cpu, parallel_chunks
+from ._fast import CHUNK_ELEMENTS, eager_cpu, parallel_chunks
 from ._triton import jit, next_power_of_2
 
 Tensor = torch.Tensor
@@ -83,6 +83,43 @@ def _load_gamma(W, cols, col_mask, ZERO_CENTERED: tl.constexpr, COMPUTE: tl.cons
 
 
 @jit
+def norm_fwd_tile(
+    X,
+    W,
+    B,
+    pid,
+    n_rows,
+    n_cols,
+    inv_n,
+    eps,
+    CENTER: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    """``(y, offs, mask)``: the normalised rows of program ``pid`` (``BLOCK_R`` whole rows), in COMPUTE.
+
+    The one forward computation: the norm kernel stores ``y``; the norm + FP8 cast kernel
+    (:mod:`functe.kernels.norm_quantize`) quantizes it, so both produce the same bits.
+    """
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    offs = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
+    y, _ = normalize_rows(x, mask, inv_n, eps, CENTER)
+    if HAS_W:
+        y = y * _load_gamma(W, cols, col_mask, ZERO_CENTERED, COMPUTE)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
+    return y, offs, mask
+
+
+@jit
 def _norm_fwd_kernel(
     X,
     W,
@@ -100,17 +137,10 @@ def _norm_fwd_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    offs = rows[:, None] * n_cols + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
-    y, _ = normalize_rows(x, mask, inv_n, eps, CENTER)
-    if HAS_W:
-        y = y * _load_gamma(W, cols, col_mask, ZERO_CENTERED, COMPUTE)[None, :]
-    if HAS_B:
-        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
+    y, offs, mask = norm_fwd_tile(
+        X, W, B, tl.program_id(0), n_rows, n_cols, inv_n, eps,
+        CENTER, HAS_W, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE,
+    )  # fmt: skip
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -119,6 +149,7 @@ def _norm_bwd_kernel(
     DY,
     X,
     W,
+    ACC,
     DX,
     DW_PARTIAL,
     DB_PARTIAL,
@@ -131,6 +162,7 @@ def _norm_bwd_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    HAS_ACC: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,
@@ -158,6 +190,8 @@ def _norm_bwd_kernel(
         if HAS_B:
             db += tl.sum(dy, axis=0)
         dx = norm_grads_rows(g, xhat, r, inv_n, CENTER)
+        if HAS_ACC:  # a residual's gradient added before the one rounding (TE's rmsnorm_bwd_add)
+            dx += tl.load(ACC + offs, mask=mask, other=0.0).to(COMPUTE)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_W:
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
@@ -212,13 +246,15 @@ def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, z
     return y.view(x.shape)
 
 
-def _bwd(dy: Tensor, x: Tensor, w: Tensor | None, eps: float, kind: str, zero_centered: bool, has_b: bool):
-    """``(dx, dγ or None, dβ or None)``."""
+def _bwd(dy: Tensor, x: Tensor, w: Tensor | None, eps: float, kind: str, zero_centered: bool, has_b: bool, accum=None):
+    """``(dx, dγ or None, dβ or None)``; ``accum`` (x's shape and dtype) is added to dx."""
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     acc = compute_dtype(x.dtype)
     dx = torch.empty_like(rows)
     if n_rows == 0 or n_cols == 0:
+        if accum is not None:
+            dx = accum.reshape(rows.shape).clone()
         zeros = torch.zeros(n_cols, dtype=x.dtype, device=x.device)
         return dx.view(x.shape), (zeros if w is not None else None), (zeros.clone() if has_b else None)
     block_r, block_n, warps = _tiling(n_rows, n_cols)
@@ -231,6 +267,7 @@ def _bwd(dy: Tensor, x: Tensor, w: Tensor | None, eps: float, kind: str, zero_ce
         dy.contiguous().view(n_rows, n_cols),
         rows,
         rows if w is None else w.contiguous(),
+        rows if accum is None else as_rows(accum),
         dx,
         dx if dw_partial is None else dw_partial,
         dx if db_partial is None else db_partial,
@@ -243,6 +280,7 @@ def _bwd(dy: Tensor, x: Tensor, w: Tensor | None, eps: float, kind: str, zero_ce
         HAS_W=w is not None,
         HAS_B=has_b,
         ZERO_CENTERED=zero_centered,
+        HAS_ACC=accum is not None,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         COMPUTE=tl_compute_dtype(x.dtype),
@@ -273,6 +311,21 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> tuple[Tensor, Tensor]:
     """``(dx, dγ)`` of :func:`rms_norm`."""
     dx, dw, _ = _bwd(dy, x, weight, eps, "rms", zero_centered_gamma, False)
+    return dx, dw
+
+
+def layer_norm_bwd_add(
+    dy: Tensor, x: Tensor, weight: Tensor, accum: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`layer_norm_bwd` with ``accum`` (a residual's gradient, x's shape) added to dx in the same pass."""
+    return _bwd(dy, x, weight, eps, "layer", zero_centered_gamma, True, accum)
+
+
+def rms_norm_bwd_add(
+    dy: Tensor, x: Tensor, weight: Tensor, accum: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """:func:`rms_norm_bwd` with ``accum`` added to dx in the same pass (TE's ``rmsnorm_bwd_add``)."""
+    dx, dw, _ = _bwd(dy, x, weight, eps, "rms", zero_centered_gamma, False, accum)
     return dx, dw
 
 
@@ -342,6 +395,19 @@ def layer_norm_bwd_ref(
     return dx.to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype), _column_sums(dy_a).to(x.dtype)
 
 
+def layer_norm_bwd_add_ref(
+    dy: Tensor, x: Tensor, weight: Tensor, accum: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PyTorch twin of :func:`layer_norm_bwd_add`."""
+    acc = compute_dtype(x.dtype)
+    if eager_cpu(dy, x, weight, accum):
+        return _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered_gamma, accum)
+    dy_a = dy.to(acc)
+    dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "layer")
+    dx = (dx + accum.to(acc)).to(x.dtype)
+    return dx, _column_sums(dy_a * xhat).to(weight.dtype), _column_sums(dy_a).to(x.dtype)
+
+
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
     """PyTorch twin of :func:`rms_norm`."""
     acc = compute_dtype(x.dtype)
@@ -363,6 +429,19 @@ def rms_norm_bwd_ref(
     dy_a = dy.to(acc)
     dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "rms")
     return dx.to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype)
+
+
+def rms_norm_bwd_add_ref(
+    dy: Tensor, x: Tensor, weight: Tensor, accum: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of :func:`rms_norm_bwd_add`."""
+    acc = compute_dtype(x.dtype)
+    if eager_cpu(dy, x, weight, accum):
+        dx, dw = _rms_bwd_fast(dy, x, _gamma(weight, zero_centered_gamma, acc), eps, "rms", accum)
+        return dx, dw.to(weight.dtype)
+    dy_a = dy.to(acc)
+    dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "rms")
+    return (dx + accum.to(acc)).to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype)
 
 
 def l2_normalize_ref(x: Tensor, eps: float) -> Tensor:
@@ -414,11 +493,23 @@ def _rms_fwd_fast(x, gamma, eps, kind):
     return y
 
 
-def _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered):
+def _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered, accum=None):
     acc = compute_dtype(x.dtype)
     rows, dy_rows = _rows(x, dy)
+    acc_rows = None if accum is None else accum.reshape(rows.shape)
     n_rows, n = rows.shape
     gamma, beta = _gamma(weight, zero_centered, acc), torch.zeros(n, dtype=acc)
+    if 0 < rows.numel() <= CHUNK_ELEMENTS:
+        # One chunk: the same formula without scratch buffers and partial sums to combine (at small
+        # sizes each torch call costs microseconds; this path takes 6 instead of ~20).
+        xt, g = rows.to(acc), dy_rows.to(acc)
+        var, mean = torch.var_mean(xt, -1, correction=0, keepdim=True)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            g, xt, [n], mean, var.add_(eps).rsqrt_(), gamma, beta, [True, True, True]
+        )
+        if acc_rows is not None:
+            dx = dx.add_(acc_rows)
+        return dx.to(x.dtype).view(x.shape), dw.to(weight.dtype), db.to(x.dtype)
     dx = torch.empty_like(rows)
     dw_parts, db_parts = {}, {}
 
@@ -429,17 +520,19 @@ def _layer_norm_bwd_fast(dy, x, weight, eps, zero_centered):
         dx_c, dw_parts[i], db_parts[i] = torch.ops.aten.native_layer_norm_backward(
             g, xt, [n], mean, rstd, gamma, beta, [True, True, True]
         )
-        dx[sl].copy_(dx_c)
+        dx[sl].copy_(dx_c if acc_rows is None else dx_c.add_(acc_rows[sl]))
 
     count = parallel_chunks(n_rows, (n,), acc, body)
     dw = _reduce_partials(dw_parts, count, n, acc).to(weight.dtype)
     return dx.view(x.shape), dw, _reduce_partials(db_parts, count, n, acc).to(x.dtype)
 
 
-def _rms_bwd_fast(dy, x, gamma, eps, kind):
-    """``(dx, dγ in the compute dtype or None)`` of RMSNorm (γ given) or L2 normalization (γ None)."""
+def _rms_bwd_fast(dy, x, gamma, eps, kind, accum=None):
+    """``(dx, dγ in the compute dtype or None)`` of RMSNorm (γ given) or L2 normalization (γ None);
+    ``accum`` is added to dx before its rounding."""
     acc = compute_dtype(x.dtype)
     rows, dy_rows = _rows(x, dy)
+    acc_rows = None if accum is None else accum.reshape(rows.shape)
     n_rows, n = rows.shape
     dx = torch.empty_like(rows)
     reduce = (lambda t: t.sum(-1, keepdim=True)) if kind == "l2" else (lambda t: t.mean(-1, keepdim=True))
@@ -452,7 +545,8 @@ def _rms_bwd_fast(dy, x, gamma, eps, kind):
         xhat = torch.mul(xt, r, out=buf.get("xhat", m))
         g = dyt if gamma is None else torch.mul(dyt, gamma, out=buf.get("g", m))
         c = reduce(torch.mul(g, xhat, out=tmp))
-        dx[sl].copy_(torch.addcmul(g, xhat, c, value=-1.0, out=tmp).mul_(r))
+        out = torch.addcmul(g, xhat, c, value=-1.0, out=tmp).mul_(r)
+        dx[sl].copy_(out if acc_rows is None else out.add_(acc_rows[sl]))
         if gamma is not None:
             dw_parts[i] = torch.mul(dyt, xhat, out=tmp).sum(0)
 
@@ -468,5 +562,7 @@ LAYER_NORM = Kernel("layer_norm", layer_norm, layer_norm_ref, batch=Rowwise(para
 LAYER_NORM_BWD = Kernel("layer_norm_bwd", layer_norm_bwd, layer_norm_bwd_ref)
 RMS_NORM = Kernel("rms_norm", rms_norm, rms_norm_ref, batch=Rowwise(params=(1,)))
 RMS_NORM_BWD = Kernel("rms_norm_bwd", rms_norm_bwd, rms_norm_bwd_ref)
+LAYER_NORM_BWD_ADD = Kernel("layer_norm_bwd_add", layer_norm_bwd_add, layer_norm_bwd_add_ref)
+RMS_NORM_BWD_ADD = Kernel("rms_norm_bwd_add", rms_norm_bwd_add, rms_norm_bwd_add_ref)
 L2_NORMALIZE = Kernel("l2_normalize", l2_normalize, l2_normalize_ref, batch=Rowwise())
 L2_NORMALIZE_BWD = Kernel("l2_normalize_bwd", l2_normalize_bwd, l2_normalize_bwd_ref, batch=Rowwise())

@@ -42,6 +42,7 @@ from .._kernel import Kernel, Rowwise
 from . import _act
 from ._common import as_rows
 from ._triton import jit, next_power_of_2
+from .activation import activation_ref, dactivation_ref
 
 Tensor = torch.Tensor
 
@@ -143,6 +144,8 @@ def _quantize_kernel(
     CLAMPED: tl.constexpr,
     DBIAS: tl.constexpr,
     WRITE: tl.constexpr,
+    ROUND: tl.constexpr,
+    CAST: tl.constexpr,
     MANT: tl.constexpr,
     BIAS: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
@@ -182,6 +185,8 @@ def _quantize_kernel(
         else:
             dy = tl.load(DY + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             v = dy * _act.act_grad(x, ACT)
+        if ROUND:  # the value the unfused activation (or its backward) would store, in x's dtype
+            v = v.to(X.dtype.element_ty).to(tl.float32)
         v = tl.where(mask, v, 0.0)  # padding lanes: act(0) may be non-zero (sigmoid)
         tile_max, tile_nan = tile_amax(v, mask)
         col_amax = tl.maximum(col_amax, tile_max)
@@ -189,9 +194,12 @@ def _quantize_kernel(
         if DBIAS:
             col_sum += tl.sum(v, axis=0)
         if WRITE:
-            q = round_to_fp8(saturate(v * scale, MAXV), MANT, MIN_NORMAL, SUB_STEPS)
-            if BITS:
-                q = encode_fp8(q, MANT, BIAS, MIN_NORMAL, SUB_STEPS)
+            if CAST:
+                q = round_to_fp8(saturate(v * scale, MAXV), MANT, MIN_NORMAL, SUB_STEPS)
+                if BITS:
+                    q = encode_fp8(q, MANT, BIAS, MIN_NORMAL, SUB_STEPS)
+            else:
+                q = v  # high precision (dact + dbias without a cast)
             tl.store(Q + rows[:, None] * n_cols + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     amax = tl.where(tl.max(col_nan, axis=0) > 0, float("nan"), tl.max(col_amax, axis=0))
     tl.store(AMAX + pid_r * tl.num_programs(1) + pid_c, amax)
@@ -199,13 +207,31 @@ def _quantize_kernel(
         tl.store(DB + pid_r * n_cols + cols, col_sum, mask=col_mask)
 
 
+def fp8_constexprs(qdtype: torch.dtype, out_dtype: torch.dtype) -> dict:
+    """The format constants a quantizing kernel takes (``MANT``, ``BIAS``, ``MIN_NORMAL``, ``SUB_STEPS``,
+    ``MAXV``) and ``BITS``: whether ``out_dtype`` is float8 (stored as bits, see :func:`encode_fp8`)."""
+    fmt = FP8_FORMATS[qdtype]
+    return {
+        "MANT": fmt.mant,
+        "BIAS": fmt.bias,
+        "MIN_NORMAL": fmt.min_normal,
+        "SUB_STEPS": fmt.sub_steps,
+        "MAXV": fmt.max,
+        "BITS": out_dtype in FP8_FORMATS,
+    }
+
+
 def _storage(q: Tensor) -> Tensor:
     """What a kernel writes through: float8 tensors as their u8 bits (see :func:`encode_fp8`)."""
     return q.view(torch.uint8) if q.dtype in FP8_FORMATS else q
 
 
-def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, write, dbias):
-    """Run :func:`_quantize_kernel` over ``x`` (and ``dy``); return (q, dbias or None, amax)."""
+def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, write, dbias, *, round_=False, cast=True):
+    """Run :func:`_quantize_kernel` over ``x`` (and ``dy``); return (q, dbias or None, amax).
+
+    ``round_``: round ``v`` to x's dtype first (what an unfused activation would store);
+    ``cast=False``: store ``v`` itself in ``out_dtype`` (no FP8 rounding).
+    """
     gated = mode == _MODE_ACT and (act == CLAMPED_SWIGLU or act in _act.GATED)
     in_cols = x.shape[-1] if x.dim() else 1
     n_cols = in_cols // 2 if gated else in_cols
@@ -219,7 +245,6 @@ def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, wr
         if dbias:
             db = torch.zeros(n_cols, dtype=x.dtype if dy is None else dy.dtype, device=x.device)
         return q, db, amax
-    fmt = FP8_FORMATS[qdtype]
     block_c = min(next_power_of_2(n_cols), 128)
     block_r = max(1, min(next_power_of_2(n_rows), 2048 // block_c))
     rows_per_program = max(triton.cdiv(n_rows, _PARTIAL_PROGRAMS), block_r)
@@ -248,12 +273,9 @@ def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, wr
         CLAMPED=act == CLAMPED_SWIGLU,
         DBIAS=dbias,
         WRITE=write,
-        MANT=fmt.mant,
-        BIAS=fmt.bias,
-        MIN_NORMAL=fmt.min_normal,
-        SUB_STEPS=fmt.sub_steps,
-        MAXV=fmt.max,
-        BITS=out_dtype in FP8_FORMATS,
+        ROUND=round_,
+        CAST=cast,
+        **fp8_constexprs(qdtype, out_dtype),
         BLOCK_R=block_r,
         BLOCK_C=block_c,
     )
@@ -414,6 +436,84 @@ def dact_dbias_cast_amax_ref(
     return q, _column_sums_ref(v, dy.dtype), amax_ref(v)
 
 
+# ----------------------------------------------------------------------------- rounded variants (fusion targets)
+#
+# The fused ops of functe.fuse must reproduce the unfused program: an activation (or its backward)
+# stores its result in x's dtype and the next op quantizes *that*. These variants round ``v`` to x's
+# dtype before the amax, the bias sum and the cast, so they equal the unfused pair bit for bit (the
+# twins are literally the unfused twins composed). TE's q-in kernels skip that rounding; it changes
+# nothing for fp32 and at most one 16-bit rounding step otherwise, but it would make the next scaling
+# state differ from the unfused program's.
+
+
+def act_output_cast_amax(
+    x: Tensor,
+    scale: Tensor,
+    act: str,
+    limit: float,
+    alpha: float,
+    offset: float,
+    qdtype: torch.dtype,
+    out_dtype: torch.dtype,
+    write: bool,
+) -> tuple[Tensor, Tensor]:
+    """:func:`act_cast_amax` of the activation's output rounded to x's dtype: ``quantize(activation(x))``."""
+    q, _, amax = _launch(
+        x, None, scale, _MODE_ACT, act, limit, alpha, offset, qdtype, out_dtype, write, False, round_=True
+    )
+    return q, amax
+
+
+def act_output_cast_amax_ref(
+    x: Tensor,
+    scale: Tensor,
+    act: str,
+    limit: float,
+    alpha: float,
+    offset: float,
+    qdtype: torch.dtype,
+    out_dtype: torch.dtype,
+    write: bool,
+) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of :func:`act_output_cast_amax`: the activation twin, then the cast twin."""
+    return cast_amax_ref(activation_ref(x, act, 0, limit, alpha, offset), scale, qdtype, out_dtype, write)
+
+
+def dact_output_dbias_cast_amax(
+    dy: Tensor, x: Tensor, scale: Tensor, act: str, qdtype: torch.dtype, out_dtype: torch.dtype, write: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`dact_dbias_cast_amax` of ``g = dy * act'(x)`` rounded to x's dtype (``dbias_cast(dactivation)``)."""
+    return _launch(x, dy, scale, _MODE_DACT, act, 0.0, 0.0, 0.0, qdtype, out_dtype, write, True, round_=True)
+
+
+def dact_output_dbias_cast_amax_ref(
+    dy: Tensor, x: Tensor, scale: Tensor, act: str, qdtype: torch.dtype, out_dtype: torch.dtype, write: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PyTorch twin of :func:`dact_output_dbias_cast_amax`: the dactivation twin, then the dbias-cast twin."""
+    return dbias_cast_amax_ref(dactivation_ref(dy, x, act, 0, 0.0, 0.0, 0.0), scale, qdtype, out_dtype, write)
+
+
+def dact_dbias(dy: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
+    """``(g, dbias)``: ``g = dy * act'(x)`` in x's dtype and ``dbias = Σ_rows g`` (fp32 sums), one pass.
+
+    The high-precision backward of bias + activation (the quantizing kernel's dact mode, no cast).
+    """
+    g, dbias, _ = _launch(
+        x, dy, _ONE.to(x.device), _MODE_DACT, act, 0.0, 0.0, 0.0, torch.float8_e4m3fn, x.dtype, True, True,
+        round_=True, cast=False,
+    )  # fmt: skip
+    return g, dbias
+
+
+def dact_dbias_ref(dy: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of :func:`dact_dbias`."""
+    g = dactivation_ref(dy, x, act, 0, 0.0, 0.0, 0.0)
+    return g, _column_sums_ref(g.to(torch.float32), g.dtype)
+
+
+_ONE = torch.ones((), dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------- MXFP8
 
 
@@ -554,3 +654,8 @@ ACT_CAST_AMAX = Kernel("fp8_act_cast_amax", act_cast_amax, act_cast_amax_ref)
 DBIAS_CAST_AMAX = Kernel("fp8_dbias_cast_amax", dbias_cast_amax, dbias_cast_amax_ref)
 DACT_DBIAS_CAST_AMAX = Kernel("fp8_dact_dbias_cast_amax", dact_dbias_cast_amax, dact_dbias_cast_amax_ref)
 MXFP8_CAST = Kernel("mxfp8_cast", mxfp8_cast, mxfp8_cast_ref, batch=Rowwise())
+ACT_OUTPUT_CAST_AMAX = Kernel("fp8_act_output_cast_amax", act_output_cast_amax, act_output_cast_amax_ref)
+DACT_OUTPUT_DBIAS_CAST_AMAX = Kernel(
+    "fp8_dact_output_dbias_cast_amax", dact_output_dbias_cast_amax, dact_output_dbias_cast_amax_ref
+)
+DACT_DBIAS = Kernel("dact_dbias", dact_dbias, dact_dbias_ref)

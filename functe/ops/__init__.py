@@ -34,11 +34,16 @@ from ._fp8_linear import fp8_linear as fp8_linear
 from ._norm import l2_normalize as l2_normalize
 from ._norm import layer_norm as layer_norm
 from ._norm import rms_norm as rms_norm
+from ._parallel import all_gather as all_gather
+from ._parallel import all_reduce as all_reduce
+from ._parallel import reduce_scatter as reduce_scatter
 
 __all__ = [
     "ACTIVATION_NAMES",
     "activation",
     "add_extra_input",
+    "all_gather",
+    "all_reduce",
     "bias",
     "clamped_swiglu",
     "constant_scale",
@@ -54,6 +59,7 @@ __all__ = [
     "make_extra_output",
     "qgeglu",
     "qgelu",
+    "reduce_scatter",
     "reglu",
     "relu",
     "reshape",

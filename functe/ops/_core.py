@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,8 +23,19 @@ from .._errors import (
     describe_shape,
     shape_error,
 )
+from .._parallel import (
+    gather_grad_output,
+    gather_input,
+    gemm_bias,
+    linear_parallelism,
+    reduce_grad_input,
+    reduce_output,
+)
 from .._vjp import custom_vjp
 from ..kernels.elementwise import ADD_BIAS, AXPBY, BIAS_GRAD
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 Tensor = torch.Tensor
 
@@ -31,29 +43,52 @@ Tensor = torch.Tensor
 # ----------------------------------------------------------------------------- linear
 
 
-def _linear_fwd(x, weight, bias):
-    return torch.nn.functional.linear(x, weight, bias), (x, weight, bias is not None)
+def _linear_fwd(x, weight, bias, *, parallel=None):
+    if parallel is None:
+        return torch.nn.functional.linear(x, weight, bias), (x, weight, bias is not None)
+    # Tensor parallelism (functe/_parallel.py): communication around the same GEMM.
+    y = torch.nn.functional.linear(gather_input("linear", x, parallel), weight, gemm_bias(bias, parallel))
+    return reduce_output("linear", y, bias, parallel), (x, weight, bias is not None)
 
 
-def _linear_bwd(res, dy):
+def _linear_bwd(res, dy, *, parallel=None):
     x, weight, has_bias = res
+    if parallel is not None:  # column+sp gathers x again (as TE: less memory), row+sp gathers dy
+        x, dy = gather_input("linear", x, parallel), gather_grad_output("linear", dy, parallel)
     dx = torch.matmul(dy, weight)
     dy2 = dy.reshape(-1, dy.shape[-1])
     dweight = torch.matmul(dy2.t(), x.reshape(-1, x.shape[-1]))
     dbias = BIAS_GRAD(dy) if has_bias else None
+    if parallel is not None:
+        dx = reduce_grad_input("linear", dx, parallel)
     return dx, dweight, dbias
 
 
 _linear = custom_vjp("linear", _linear_fwd, _linear_bwd)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    tensor_parallel_mode: str | None = None,
+    sequence_parallel: bool = False,
+    group: ProcessGroup | None = None,
+) -> Tensor:
     """``y = x @ weight.T + bias`` for inputs of any leading shape.
 
     Args:
         x: ``[..., in_features]``.
         weight: ``[out_features, in_features]`` (TransformerEngine's and PyTorch's layout).
         bias: optional ``[out_features]``.
+        tensor_parallel_mode: ``None``, ``"column"`` (weight ``[out/P, in]``, output split along
+            features) or ``"row"`` (weight ``[out, in/P]``, input split along features, output
+            all-reduced, bias replicated and added once). Shapes are the local ones.
+        sequence_parallel: with a mode, activations outside the linear are split along dim 0:
+            column all-gathers ``x``, row reduce-scatters ``y`` (see docs/parallel.md).
+        group: the tensor-parallel ``ProcessGroup`` (default: the default group). A group of one
+            rank is no parallelism.
 
     Returns:
         ``[..., out_features]`` in ``x``'s dtype. All arguments share one dtype
@@ -79,7 +114,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             raise shape_error("linear", "bias", describe_shape(x.dtype, (weight.shape[0],)), bias)
         check_same_dtype("linear", "bias", bias, x, "x")
     check_same_device("linear", {"x": x, "weight": weight, "bias": bias})
-    return _linear(x, weight, bias)
+    parallel = linear_parallelism("linear", x, tensor_parallel_mode, sequence_parallel, group)
+    if parallel is None:
+        return _linear(x, weight, bias)
+    return _linear(x, weight, bias, parallel=parallel)
 
 
 # ----------------------------------------------------------------------------- bias

@@ -16,11 +16,25 @@ the next state.
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
-from .._errors import check_same_device, check_same_dtype, check_tensor, describe_shape, shape_error
+from .._errors import FuncteError, check_same_device, check_same_dtype, check_tensor, describe_shape, shape_error
 from .._fp8_gemm import compute_dtype, gemm_nt, native_ok
 from .._fp8_state import LinearScalingState, as_cotangent, check_linear_state, delayed_scaling_update
+from .._parallel import (
+    cast_input,
+    gather_grad_output,
+    gather_input,
+    gathered_shape,
+    gemm_bias,
+    linear_parallelism,
+    reduce_amax,
+    reduce_grad_input,
+    reduce_output,
+)
 from .._quantize import QUANTIZABLE, cast, cast_dbias
 from .._recipe import BLOCK_RECIPES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .._vjp import custom_vjp
@@ -28,65 +42,129 @@ from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST
 from ._block_linear import block_linear
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 Tensor = torch.Tensor
 
 
 # ----------------------------------------------------------------------------- per-tensor recipes
 
 
-def _fwd(x, weight, bias, state, *, recipe):
+def _fwd(x, weight, bias, state, *, recipe, parallel=None):
     if isinstance(recipe, MXFP8BlockScaling):
-        return _mx_fwd(x, weight, bias, recipe)
+        return _mx_fwd(x, weight, bias, recipe, parallel)
     x2 = x.reshape(-1, x.shape[-1])
-    native = native_ok(x2, weight, dims=(x2.shape[0], weight.shape[0], x2.shape[1]))
+    lead = gathered_shape(x.shape[:-1], parallel)  # tensor parallelism: functe/_parallel.py
+    native = native_ok(x2, weight, dims=(math.prod(lead), weight.shape[0], x2.shape[1]))
+    scale_x = state.input.scale if isinstance(recipe, DelayedScaling) else None
+    xq, xq_gemm, sx, amax_x = cast_input(
+        "fp8_linear", x2, recipe, scale_x, _store(recipe, "input", x, native), parallel
+    )
+    return forward_quantized(
+        xq,
+        sx,
+        amax_x,
+        x.shape,
+        x.dtype,
+        weight,
+        bias,
+        state,
+        recipe=recipe,
+        native=native,
+        parallel=parallel,
+        xq_gemm=xq_gemm,
+    )
+
+
+def forward_quantized(
+    xq, sx, amax_x, x_shape, dtype, weight, bias, state, *, recipe, native, parallel=None, xq_gemm=None
+):
+    """The forward rule after the input cast: ``(y, residuals)`` from ``xq`` (2-D, quantized with scale ``sx``).
+
+    Fused ops that produce the quantized input themselves (norm + cast, activation + cast: q-in) call
+    this, so their residuals are exactly the ones the backward rule expects. ``xq_gemm`` is the GEMM
+    operand when it differs from the saved ``xq`` (column + sequence parallel gathers it).
+    """
     delayed = isinstance(recipe, DelayedScaling)
-    scale_x, scale_w = (state.input.scale, state.weight.scale) if delayed else (None, None)
-    xq, sx, amax_x = cast(x2, recipe, "input", scale_x, _store(recipe, "input", x, native))
-    wq, sw, amax_w = cast(weight, recipe, "weight", scale_w, _store(recipe, "weight", x, native))
+    scale_w = state.weight.scale if delayed else None
+    wq, sw, amax_w = cast(weight, recipe, "weight", scale_w, _store(recipe, "weight", xq, native, dtype))
     sinv_x, sinv_w = torch.reciprocal(sx), torch.reciprocal(sw)
-    y = gemm_nt(xq, sinv_x, wq, sinv_w, out_dtype=x.dtype, bias=bias, native=native, fast_accum=True)
+    y = gemm_nt(
+        xq if xq_gemm is None else xq_gemm,
+        sinv_x,
+        wq,
+        sinv_w,
+        out_dtype=dtype,
+        bias=gemm_bias(bias, parallel),
+        native=native,
+        fast_accum=True,
+    )
+    y = reduce_output("fp8_linear", y.reshape(*gathered_shape(x_shape[:-1], parallel), weight.shape[0]), bias, parallel)
     next_states = None
     if delayed:
+        amax_x, amax_w = reduce_amax("fp8_linear", (amax_x, amax_w), parallel)
         next_states = (
             delayed_scaling_update(state.input, amax_x, recipe=recipe, role="input"),
             delayed_scaling_update(state.weight, amax_w, recipe=recipe, role="weight"),
             state.grad_output,
         )
-    residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x.shape, x.dtype)
-    return y.reshape(*x.shape[:-1], weight.shape[0]), residuals
+    residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x_shape, dtype)
+    return y, residuals
 
 
-def _store(recipe: Recipe, role: str, like: Tensor, native: bool) -> torch.dtype:
-    """Storage of quantized operands: float8 for the native GEMM, its compute dtype otherwise."""
-    return recipe.dtype(role) if native else compute_dtype(like.dtype)
+def _store(recipe: Recipe, role: str, like: Tensor, native: bool, dtype: torch.dtype | None = None) -> torch.dtype:
+    """Storage of quantized operands: float8 for the native GEMM, its compute dtype (of ``dtype``,
+    default ``like``'s) otherwise."""
+    return recipe.dtype(role) if native else compute_dtype(like.dtype if dtype is None else dtype)
 
 
-def _bwd(res, dy, *, recipe):
+def _bwd(res, dy, *, recipe, parallel=None):
     if isinstance(recipe, MXFP8BlockScaling):
-        return _mx_bwd(res, dy, recipe)
-    xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype = res
+        return _mx_bwd(res, dy, recipe, parallel)
+    # column+sp gathers the saved FP8 input again (as TE), row+sp gathers dy (high precision)
+    res = (gather_input("fp8_linear", res[0], parallel), *res[1:])
+    dy = gather_grad_output("fp8_linear", dy, parallel)
     dy2 = dy.reshape(-1, dy.shape[-1])
-    if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1])):
-        native = False  # (not expected: same device and dims) decode the saved FP8 operands for the emulation
-        xq, wq = xq.to(compute_dtype(dtype)), wq.to(compute_dtype(dtype))
-    store = _store(recipe, "grad_output", dy, native)
-    go_state = next_states[2] if next_states is not None else None
-    go_scale = go_state.scale if go_state is not None else None
-    if has_bias:
+    res, store, go_scale = grad_output_setup(res, dy2, recipe)
+    if res[5]:  # has_bias
         dyq, dbias, sdy, amax_dy = cast_dbias(dy2, recipe, "grad_output", go_scale, store)
     else:
         (dyq, sdy, amax_dy), dbias = cast(dy2, recipe, "grad_output", go_scale, store), None
+    dx, dw, state_ct = backward_quantized(res, dyq, sdy, amax_dy, recipe=recipe, parallel=parallel)
+    return dx, dw, dbias, state_ct
+
+
+def grad_output_setup(res, dy2, recipe):
+    """Before the grad-output cast: ``(residuals, storage dtype of dy_q, grad_output scale or None)``."""
+    xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype = res
+    if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1])):
+        native = False  # (not expected: same device and dims) decode the saved FP8 operands for the emulation
+        xq, wq = xq.to(compute_dtype(dtype)), wq.to(compute_dtype(dtype))
+        res = (xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype)
+    go_state = next_states[2] if next_states is not None else None
+    return res, _store(recipe, "grad_output", dy2, native), go_state.scale if go_state is not None else None
+
+
+def backward_quantized(res, dyq, sdy, amax_dy, *, recipe, parallel=None):
+    """The backward rule after the grad-output cast: ``(dx, dW, state cotangent)``.
+
+    Fused ops that quantize dy themselves (activation backward + dbias + cast) call this.
+    """
+    xq, sinv_x, wq, sinv_w, next_states, _, native, x_shape, dtype = res
     sinv_dy = torch.reciprocal(sdy)
     dx = gemm_nt(dyq, sinv_dy, wq.t(), sinv_w, out_dtype=dtype, native=native)
     dw = gemm_nt(dyq.t(), sinv_dy, xq.t(), sinv_x, out_dtype=dtype, native=native)
     state_ct = None
     if next_states is not None:
-        new_in, new_w, _ = next_states
+        new_in, new_w, go_state = next_states
+        (amax_dy,) = reduce_amax("fp8_linear", (amax_dy,), parallel)
         new_go = delayed_scaling_update(go_state, amax_dy, recipe=recipe, role="grad_output")
         state_ct = LinearScalingState(
             input=as_cotangent(new_in), weight=as_cotangent(new_w), grad_output=as_cotangent(new_go)
         )
-    return dx.reshape(x_shape), dw, dbias, state_ct
+    dx = reduce_grad_input("fp8_linear", dx.reshape(gathered_shape(x_shape, parallel)), parallel)
+    return dx, dw, state_ct
 
 
 # ----------------------------------------------------------------------------- MXFP8
@@ -97,23 +175,27 @@ def _mx(t: Tensor, recipe: Recipe, role: str, dtype: torch.dtype) -> Tensor:
     return MXFP8_CAST(t, recipe.dtype(role), compute_dtype(dtype))[0]
 
 
-def _mx_fwd(x, weight, bias, recipe):
-    x2 = x.reshape(-1, x.shape[-1])
+def _mx_fwd(x, weight, bias, recipe, parallel=None):
+    # Blocks run along K, so quantizing after the (column+sp) all-gather equals gathering MXFP8 shards.
+    xg = gather_input("fp8_linear", x, parallel)
+    x2 = xg.reshape(-1, x.shape[-1])
     y = gemm_nt(
         _mx(x2, recipe, "input", x.dtype),
         None,
         _mx(weight, recipe, "weight", x.dtype),
         None,
         out_dtype=x.dtype,
-        bias=bias,
+        bias=gemm_bias(bias, parallel),
     )
-    return y.reshape(*x.shape[:-1], weight.shape[0]), (x, weight, bias is not None)
+    y = reduce_output("fp8_linear", y.reshape(*xg.shape[:-1], weight.shape[0]), bias, parallel)
+    return y, (x, weight, bias is not None)
 
 
-def _mx_bwd(res, dy, recipe):
+def _mx_bwd(res, dy, recipe, parallel=None):
     # Rowwise copies have blocks along K (fprop); dgrad reduces over N and wgrad over M, so their
     # operands are quantized again with blocks along those dims (TE's columnwise copies).
     x, weight, has_bias = res
+    x, dy = gather_input("fp8_linear", x, parallel), gather_grad_output("fp8_linear", dy, parallel)
     x2, dy2, dtype = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), x.dtype
     dx = gemm_nt(
         _mx(dy2, recipe, "grad_output", dtype), None, _mx(weight.t(), recipe, "weight", dtype), None, out_dtype=dtype
@@ -122,14 +204,24 @@ def _mx_bwd(res, dy, recipe):
         _mx(dy2.t(), recipe, "grad_output", dtype), None, _mx(x2.t(), recipe, "input", dtype), None, out_dtype=dtype
     )
     dbias = BIAS_GRAD(dy2) if has_bias else None
-    return dx.reshape(x.shape), dw, dbias, None
+    return reduce_grad_input("fp8_linear", dx.reshape(x.shape), parallel), dw, dbias, None
 
 
 _fp8_linear = custom_vjp("fp8_linear", _fwd, _bwd)
 
 
 def fp8_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearScalingState | None, *, recipe: Recipe, seed=None
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    state: LinearScalingState | None,
+    *,
+    recipe: Recipe,
+    tensor_parallel_mode: str | None = None,
+    sequence_parallel: bool = False,
+    group: ProcessGroup | None = None,
+    amax_group: ProcessGroup | None = None,
+    seed=None,
 ) -> Tensor:
     """``y = x @ weight.T + bias`` with FP8 operands (TransformerEngine's quantized linear).
 
@@ -146,7 +238,13 @@ def fp8_linear(
             stateless :class:`functe.CurrentScaling` and :class:`functe.MXFP8BlockScaling`.
         recipe: the quantization recipe (keyword-only, static). The block recipes
             :class:`functe.Float8BlockScaling` and :class:`functe.NVFP4BlockScaling` run in
-            :mod:`functe.ops._block_linear` (``docs/block_scaling.md``).
+            :mod:`functe.ops._block_linear` (``docs/block_scaling.md``; no tensor parallelism yet).
+        tensor_parallel_mode, sequence_parallel, group: tensor parallelism as in
+            :func:`functe.ops.linear`.
+        amax_group: the ``ProcessGroup`` over which amaxes are MAX-reduced under delayed
+            scaling, so that states stay identical across its ranks (default: the
+            tensor-parallel group; pass the data-parallel or the world group to include data
+            parallelism, as TE's ``fp8_group``).
         seed: NVFP4 only (ignored by the deterministic recipes): a Python int or ``i64[]`` tensor,
             the random bits of the Hadamard transform and stochastic rounding. Pass a new seed
             each step; required unless the recipe disables both.
@@ -182,6 +280,16 @@ def fp8_linear(
         check_same_dtype("fp8_linear", "bias", bias, x, "x")
     check_linear_state("fp8_linear", state, recipe)
     check_same_device("fp8_linear", {"x": x, "weight": weight, "bias": bias})
+    stateful = isinstance(recipe, DelayedScaling)  # amaxes are reduced to keep states identical
+    mode, sp = tensor_parallel_mode, sequence_parallel
+    parallel = linear_parallelism("fp8_linear", x, mode, sp, group, amax_group, fp8=stateful)
     if isinstance(recipe, BLOCK_RECIPES):
+        if parallel is not None:
+            raise FuncteError(
+                f"functe.fp8_linear: tensor parallelism is not implemented for {type(recipe).__name__} "
+                "(docs/block_scaling.md); use it without tensor_parallel_mode"
+            )
         return block_linear(x, weight, bias, recipe=recipe, seed=seed)
-    return _fp8_linear(x, weight, bias, state, recipe=recipe)
+    if parallel is None:
+        return _fp8_linear(x, weight, bias, state, recipe=recipe)
+    return _fp8_linear(x, weight, bias, state, recipe=recipe, parallel=parallel)

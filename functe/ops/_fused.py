@@ -11,20 +11,51 @@ the executor choose the forward and the backward plan independently:
 * a **backward** fusion consumes those unfused residuals and computes the
   covered ops' backward in fewer passes; its forward rule is the unfused chain.
 
-The GEMMs go through ``torch.addmm``, so the accumulation and the scale
-happen inside the GEMM (one rounding to the output dtype). On CUDA the same
-path runs until the Triton GEMM epilogues of issue 6 replace it.
+Where the GEMMs run (:func:`triton_gemm`): with a Triton backend (CUDA, or the
+interpreter in tests) and fp16/bf16 operands, the fused ops call functe's
+Triton GEMMs (:mod:`functe.kernels.gemm`: epilogues with bias, activation and
+residual; dgrad accumulating into a gradient; wgrad with the bias gradient in
+the same pass). fp32/fp64 GEMMs stay with torch (cuBLAS): functe's fp32 GEMM
+configurations are IEEE accuracy paths with small tiles. On the CPU the GEMMs
+are ``torch.addmm`` / ``matmul`` in the operands' dtype (BLAS; the GEMM twins
+would upcast 16-bit operands to fp32, twice the time on CPUs with bf16 units),
+so the accumulation and the scale still happen inside the GEMM (one rounding).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._backend import runs_triton
 from .._vjp import custom_vjp
+from ..kernels.activation import DACTIVATION
 from ..kernels.elementwise import AXPBY, BIAS_GRAD
-from ._core import _add_bwd, _bias_bwd, _linear_bwd, _linear_fwd, _scale_bwd, _scale_fwd
+from ..kernels.gemm import GEMM, GEMM_DGRAD, GEMM_DGRAD_DACT, GEMM_PREACT, GEMM_WGRAD, GEMM_WGRAD_DBIAS
+from ..kernels.norm import LAYER_NORM_BWD, LAYER_NORM_BWD_ADD, RMS_NORM_BWD, RMS_NORM_BWD_ADD
+from ..kernels.quantize import DACT_DBIAS
+from . import _activation as act
+from . import _norm as norm
+from ._core import _add_bwd, _bias, _bias_bwd, _linear_bwd, _linear_fwd, _scale_bwd, _scale_fwd
 
 Tensor = torch.Tensor
+
+TRITON_GEMM_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def triton_gemm(t: Tensor) -> bool:
+    """Whether fused GEMMs on ``t`` run functe's Triton kernels (see the module docstring)."""
+    return runs_triton(t.device) and t.dtype in TRITON_GEMM_DTYPES
+
+
+def dact_prologue_pays(activation: str, k: int) -> bool:
+    """Whether dgrad should apply the activation's backward as its prologue (``GEMM_DGRAD_DACT``).
+
+    docs/gemm.md's cost model: every program recomputes act' once per output column block, which
+    for relu/srelu (a compare and a select) is ~3% of the MMA and pays; for gelu, qgelu, silu and
+    sigmoid (exp and reciprocal on the MUFU) it costs about as much as the MMA and pays only when
+    the output ``dx [..., k]`` has a single column block (``k <= 64``, the narrowest BLOCK_N).
+    """
+    return activation in ("relu", "srelu") or k <= 64
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -42,6 +73,12 @@ def _linear_residuals(x: Tensor, weight: Tensor, has_bias: bool):
 
 def _forward_linear_add_fwd(x, weight, bias, extra, *, scale, bias_op):
     s = 1.0 if scale is None else scale
+    lin = _linear_residuals(x, weight, bias is not None and not bias_op)
+    res = (lin, *([None] * (1 + bias_op + (scale is not None))))
+    if triton_gemm(x) and (bias is None or scale is None):
+        # One kernel: y = extra + (s·x·Wᵀ + bias), one rounding. (The epilogue adds the bias after
+        # alpha, so a scaled bias takes the path below; the scale rule declines biased linears.)
+        return GEMM(x, weight, bias, extra, s), res
     if bias is None:
         # y = s·x·Wᵀ + extra: the GEMM accumulates into the residual (beta = 1, alpha = s), one rounding.
         y = torch.addmm(_rows(extra), _rows(x), weight.t(), alpha=s)
@@ -51,8 +88,7 @@ def _forward_linear_add_fwd(x, weight, bias, extra, *, scale, bias_op):
         # unfused chain (rounding extra + s·b first instead could cancel where it does not).
         y = torch.add(_rows(extra), torch.addmm(bias, _rows(x), weight.t()), alpha=s)
     # Residuals of the covered ops: linear, [bias], [constant_scale], add_extra_input.
-    lin = _linear_residuals(x, weight, bias is not None and not bias_op)
-    return y.view(extra.shape), (lin, *([None] * (1 + bias_op + (scale is not None))))
+    return y.view(extra.shape), res
 
 
 def _forward_linear_add_bwd(res, dy, *, scale, bias_op):
@@ -92,6 +128,10 @@ def _backward_linear_add_bwd(res, cts):
     d_extra, dy = cts
     if dy is None:
         return d_extra, None, None
+    if triton_gemm(dy):
+        dx = GEMM_DGRAD(dy, weight, d_extra)
+        dweight, dbias = GEMM_WGRAD_DBIAS(dy, x) if has_bias else (GEMM_WGRAD(dy, x), None)
+        return dx, dweight, dbias
     dy2 = _rows(dy)
     if d_extra is None:
         dx = torch.matmul(dy, weight)
@@ -123,6 +163,12 @@ def _backward_linear_scale_fwd(x, weight, bias, *, scale):
 def _backward_linear_scale_bwd(res, dy, *, scale):
     # dx = s·dy·W and dW = s·dyᵀ·x: the scale is the alpha of both GEMMs.
     (x, weight, has_bias), _ = res
+    if triton_gemm(dy):
+        dx = GEMM_DGRAD(dy, weight, None, scale)
+        if not has_bias:
+            return dx, GEMM_WGRAD(dy, x, None, scale), None
+        dweight, dbias = GEMM_WGRAD_DBIAS(dy, x, None, scale)  # dbias comes unscaled
+        return dx, dweight, AXPBY(dbias, None, scale, 0.0)
     dy2 = _rows(dy)
     zero = dy.new_zeros(())  # ignored: beta = 0
     dx = torch.addmm(zero, dy2, weight, beta=0, alpha=scale).view(*x.shape[:-1], weight.shape[1])
@@ -137,4 +183,149 @@ backward_linear_scale = custom_vjp("backward_linear_scale", _backward_linear_sca
 Covers ``linear, constant_scale``.
 """
 
-__all__ = ["backward_linear_add", "backward_linear_scale", "forward_linear_add"]
+# ----------------------------------------------------------------------------- forward: linear (+bias) -> activation
+
+
+def _act_params(activation: str) -> dict:
+    """The static params of the ``activation`` op for an elementwise activation."""
+    return {"name": activation, "interleave": 0, "limit": 0.0, "alpha": 0.0, "offset": 0.0}
+
+
+def _forward_linear_activation_fwd(x, weight, bias, *, activation, bias_op):
+    if triton_gemm(x):
+        # The GEMM epilogue: z = x·Wᵀ + b (stored: the activation's backward needs it), y = act(z).
+        y, z = GEMM_PREACT(x, weight, bias, None, 1.0, activation)
+    else:
+        # No epilogue on the CPU: the unfused linear's own BLAS call, then the activation kernel.
+        z = torch.nn.functional.linear(x, weight, bias)
+        y, _ = act._activation.fwd(z, None, **_act_params(activation))
+    lin = _linear_residuals(x, weight, bias is not None and not bias_op)
+    # Residuals of the covered ops: linear, [bias], activation (its input z).
+    return y, ((lin, None, (z, None)) if bias_op else (lin, (z, None)))
+
+
+def _forward_linear_activation_bwd(res, dy, *, activation, bias_op):
+    # The unfused chain, backwards: activation, [bias], linear.
+    dz, _ = act._activation.bwd(res[-1], dy, **_act_params(activation))
+    d_bias = None
+    if bias_op:
+        dz, d_bias = _bias_bwd(None, dz)
+    dx, dweight, d_lin_bias = _linear_bwd(res[0], dz)
+    return dx, dweight, d_bias if bias_op else d_lin_bias
+
+
+forward_linear_activation = custom_vjp(
+    "forward_linear_activation", _forward_linear_activation_fwd, _forward_linear_activation_bwd
+)
+"""``y = act(x·Wᵀ + bias)`` with the bias and the activation in the GEMM epilogue (TE's
+ForwardLinearBiasActivation, activation included). Covers ``linear, [bias], activation``; also
+returns the pre-activation as the activation's residual."""
+
+
+# ----------------------------------------------------------------------------- backward: activation and bias
+
+
+def _dact_dbias(dy: Tensor, z: Tensor, activation: str, want_db: bool):
+    """``(g = dy·act'(z), Σ_rows g or None)``: one pass (``DACT_DBIAS``) where a bias gradient is wanted."""
+    if want_db and z.dtype != torch.float64:  # (the quantizing kernel computes in fp32)
+        return DACT_DBIAS(dy, z, activation)
+    g = DACTIVATION(dy, z, activation, 0, 0.0, 0.0, 0.0)
+    return g, (BIAS_GRAD(g) if want_db else None)
+
+
+def _backward_linear_activation_fwd(x, weight, bias, *, activation):
+    # The unfused chain: linear, activation.
+    z, lin = _linear_fwd(x, weight, bias)
+    y, act_res = act._activation.fwd(z, None, **_act_params(activation))
+    return y, (lin, act_res)
+
+
+def _backward_linear_activation_bwd(res, dy, *, activation):
+    (x, weight, has_bias), (z, _) = res
+    if triton_gemm(dy):
+        if dact_prologue_pays(activation, weight.shape[1]):
+            dx, g = GEMM_DGRAD_DACT(dy, z, weight, None, 1.0, activation)
+        else:
+            g = DACTIVATION(dy, z, activation, 0, 0.0, 0.0, 0.0)
+            dx = GEMM_DGRAD(g, weight)
+        # wgrad and the bias gradient in one pass over g.
+        dweight, dbias = GEMM_WGRAD_DBIAS(g, x) if has_bias else (GEMM_WGRAD(g, x), None)
+        return dx, dweight, dbias
+    g, dbias = _dact_dbias(dy, z, activation, has_bias)
+    g2 = _rows(g)
+    return torch.matmul(g, weight), torch.matmul(g2.t(), _rows(x)), dbias
+
+
+backward_linear_activation = custom_vjp(
+    "backward_linear_activation", _backward_linear_activation_fwd, _backward_linear_activation_bwd
+)
+"""``y = act(linear(x, weight, bias))``; its backward computes ``g = dy·act'(z)`` and the bias gradient
+in one pass (Triton GEMMs: dact as dgrad's prologue where it pays, dbias inside the wgrad GEMM; else
+the ``DACT_DBIAS`` kernel). Covers ``linear, activation``."""
+
+
+def _backward_activation_bias_fwd(h, b, *, activation):
+    z, _ = _bias.fwd(h, b)
+    y, act_res = act._activation.fwd(z, None, **_act_params(activation))
+    return y, (None, act_res)
+
+
+def _backward_activation_bias_bwd(res, dy, *, activation):
+    _, (z, _) = res
+    return _dact_dbias(dy, z, activation, True)
+
+
+backward_activation_bias = custom_vjp(
+    "backward_activation_bias", _backward_activation_bias_fwd, _backward_activation_bias_bwd
+)
+"""``y = act(h + b)``; its backward computes ``dh = dy·act'(h + b)`` and ``db = Σ dh`` in one pass
+(TE's BackwardActivationBias without a quantized output). Covers ``bias, activation``."""
+
+
+# ----------------------------------------------------------------------------- backward: make_extra_output -> norm
+
+
+def _norm_op(kind: str):
+    return norm._layer_norm if kind == "layer" else norm._rms_norm
+
+
+def _backward_add_norm_fwd(x, weight, bias, *, kind, eps, zero_centered_gamma):
+    # Unfused forward: (x, x) = make_extra_output(x); y = norm(x, weight[, bias]).
+    args = (x, weight, bias) if kind == "layer" else (x, weight)
+    y, norm_res = _norm_op(kind).fwd(*args, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    return (x, y), (None, norm_res)
+
+
+def _backward_add_norm_bwd(res, cts, *, kind, eps, zero_centered_gamma):
+    # dx = d_extra + norm'(dy): the norm's backward kernel adds the residual's gradient before rounding.
+    _, (x, weight) = res
+    d_extra, dy = cts
+    if dy is None:
+        return d_extra, None, None
+    static = (eps, zero_centered_gamma)
+    if kind == "layer":
+        if d_extra is None:
+            return LAYER_NORM_BWD(dy, x, weight, *static)
+        return LAYER_NORM_BWD_ADD(dy, x, weight, d_extra, *static)
+    dx, dweight = (
+        RMS_NORM_BWD(dy, x, weight, *static) if d_extra is None else RMS_NORM_BWD_ADD(dy, x, weight, d_extra, *static)
+    )
+    return dx, dweight, None
+
+
+backward_add_norm = custom_vjp("backward_add_norm", _backward_add_norm_fwd, _backward_add_norm_bwd, symbolic_zeros=True)
+"""``(extra, y) = (x, norm(x, weight[, bias]))``: a forked residual feeding a LayerNorm (``kind="layer"``)
+or an RMSNorm (``kind="rms"``, ``bias`` None). Its backward adds the residual's gradient inside the
+norm's backward kernel (TE's BackwardAddRMSNorm). Covers ``make_extra_output, layer_norm | rms_norm``."""
+
+__all__ = [
+    "backward_activation_bias",
+    "backward_add_norm",
+    "backward_linear_activation",
+    "backward_linear_add",
+    "backward_linear_scale",
+    "dact_prologue_pays",
+    "forward_linear_activation",
+    "forward_linear_add",
+    "triton_gemm",
+]

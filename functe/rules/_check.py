@@ -27,6 +27,8 @@ def _pattern_program(pattern: Pattern, static: dict[str, dict[str, Any]]) -> Cal
         outs: list[Tensor] = []
 
         def call(node: Pattern, wanted: int | None):
+            if node.variadic:
+                raise TypeError(f"functe.rules.check: the pattern {node!r} ends in '...'; pass the program as fn=")
             args = []
             for i in node.inputs:
                 if isinstance(i, Pattern):

@@ -10,7 +10,10 @@ Inputs of a pattern node are
 * ``None``: the input must be the literal ``None`` (an absent optional argument);
 * a nested :class:`Pattern`: the input must be a var produced by a matching
   equation. That producer's output must have this single consumer, unless the
-  nested pattern says ``shared=True`` (the fused op then also produces it).
+  nested pattern says ``shared=True`` (the fused op then also produces it);
+* ``...`` as the *last* input: any further inputs, not captured (for ops whose
+  arity varies, e.g. ``fp8_linear`` with a state pytree or ``None``; the rewrite
+  reads them with ``m.args(name)``).
 
 A :class:`Rule` couples a pattern with a phase, an optional ``condition``
 (``None`` to accept, or a *reason* string to decline, shown by
@@ -43,7 +46,7 @@ from typing import Any
 from .._errors import FuncteError, TraceError
 from .._oplist import Atom, Eqn, Literal, OpList, Var, check_oplist, is_none, toposort
 from .._trace import forward_on_meta
-from .._tree import tree_flatten
+from .._tree import tree_flatten, tree_unflatten
 
 PHASES = ("joint", "forward", "backward")
 
@@ -54,7 +57,7 @@ class Pattern:
     Args:
         op: the op to match (a :class:`functe.CustomVJP`), or a tuple of alternatives.
         *inputs: one entry per flat input of the op: a capture name, ``None``,
-            or a nested :class:`Pattern`.
+            or a nested :class:`Pattern`; a last ``...`` stands for any remaining inputs.
         name: capture name for the matched equation (``m.eqn(name)``).
         out: for a nested pattern, the output index of this op that must feed
             the consumer (``None``: any; ``m.edge(name)`` tells which).
@@ -62,7 +65,7 @@ class Pattern:
         shared: for a nested pattern, the feeding output may have other consumers.
     """
 
-    __slots__ = ("commutative", "inputs", "name", "op", "out", "shared")
+    __slots__ = ("commutative", "inputs", "name", "op", "out", "shared", "variadic")
 
     def __init__(
         self,
@@ -74,6 +77,8 @@ class Pattern:
         shared: bool = False,
     ):
         self.op = op if isinstance(op, tuple) else (op,)
+        self.variadic = bool(inputs) and inputs[-1] is Ellipsis
+        inputs = inputs[:-1] if self.variadic else inputs
         self.inputs = inputs
         self.name = name
         self.out = out
@@ -84,7 +89,7 @@ class Pattern:
                 raise TypeError(f"Pattern inputs are capture names, None or Patterns, got {i!r}")
 
     def __repr__(self):
-        args = ", ".join(repr(i) for i in self.inputs)
+        args = ", ".join([*(repr(i) for i in self.inputs), *(["..."] if self.variadic else [])])
         return f"{'|'.join(op.name for op in self.op)}({args})"
 
 
@@ -119,9 +124,19 @@ class Match:
     def params(self, name: str) -> dict[str, Any]:
         return self.eqns[name].params
 
-    def fuse(self, op, inputs: Sequence[Atom], outputs: Sequence[Var] | None = None, **params) -> Eqn:
-        """The fused equation ``outputs = op(*inputs, **params)`` (outputs default to ``self.outputs``)."""
-        return Eqn(op, inputs, self.outputs if outputs is None else outputs, params)
+    def args(self, name: str) -> tuple:
+        """The positional arguments of the equation captured as ``name``, with atoms as leaves
+        (a state pytree comes back as that pytree of atoms)."""
+        e = self.eqns[name]
+        return tree_unflatten(e.in_tree, list(e.inputs))
+
+    def fuse(self, op, inputs: Sequence[Any], outputs: Sequence[Var] | None = None, **params) -> Eqn:
+        """The fused equation ``outputs = op(*inputs, **params)`` (outputs default to ``self.outputs``).
+
+        ``inputs`` are atoms, or pytrees of atoms for pytree arguments (from :meth:`args`).
+        """
+        leaves, in_tree = tree_flatten(tuple(inputs))
+        return Eqn(op, leaves, self.outputs if outputs is None else outputs, params, in_tree=in_tree)
 
 
 @dataclass(frozen=True)
@@ -243,7 +258,9 @@ def _ops_match(pattern: Pattern, eqn: Eqn) -> bool:
 
 
 def _match(pattern: Pattern, eqn: Eqn, state: _State, g: _Graph) -> Iterator[_State]:
-    if not _ops_match(pattern, eqn) or eqn.phase == "joint" or len(pattern.inputs) != len(eqn.inputs):
+    n = len(pattern.inputs)
+    arity_ok = len(eqn.inputs) >= n if pattern.variadic else len(eqn.inputs) == n
+    if not _ops_match(pattern, eqn) or eqn.phase == "joint" or not arity_ok:
         return
     eqns = dict(state.eqns)
     if pattern.name:
@@ -253,7 +270,7 @@ def _match(pattern: Pattern, eqn: Eqn, state: _State, g: _Graph) -> Iterator[_St
     if pattern.commutative and len(pattern.inputs) >= 2:
         orders.append((pattern.inputs[1], pattern.inputs[0], *pattern.inputs[2:]))
     for inputs in orders:
-        yield from _match_inputs(inputs, eqn.inputs, state, g)
+        yield from _match_inputs(inputs, eqn.inputs[:n], state, g)
 
 
 def _same_atom(a: Atom, b: Atom) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .._oplist import is_none
 from ..ops import _core as core
 from ..ops import _fused as fused
+from ._parallel import backward_parallel_reason, first_reason, forward_parallel_reason
 from ._pattern import Match, Rule, RuleSet
 from ._pattern import Pattern as P
 
@@ -30,6 +31,7 @@ FORWARD_LINEAR_BIAS_ADD = Rule(
     "forward",
     P(core._add_extra_input, P(core._linear, "x", "w", "b"), "r", commutative=True),
     _forward_linear_add,
+    condition=forward_parallel_reason,
     doc="linear (+bias) + residual: one GEMM accumulating into the residual (TE ForwardLinearBiasAdd)",
 )
 
@@ -39,6 +41,7 @@ FORWARD_LINEAR_BIAS_OP_ADD = Rule(
     "forward",
     P(core._add_extra_input, P(core._bias, P(core._linear, "x", "w", None), "b", name="bias"), "r", commutative=True),
     _forward_linear_add,
+    condition=forward_parallel_reason,
     doc="linear, separate bias op, residual add: one GEMM accumulating into the residual",
 )
 
@@ -63,7 +66,7 @@ FORWARD_LINEAR_SCALE_ADD = Rule(
         commutative=True,
     ),
     _forward_linear_add,
-    condition=_bias_free,
+    condition=first_reason(forward_parallel_reason, _bias_free),
     doc="scale·linear + residual: one GEMM, alpha = scale, accumulating into the residual (TE ForwardLinearScaleAdd)",
 )
 
@@ -80,6 +83,7 @@ BACKWARD_LINEAR_ADD = Rule(
     "backward",
     P(core._linear, P(core._make_extra_output, "x", name="fork"), "w", "b", name="linear"),
     _backward_linear_add,
+    condition=backward_parallel_reason,
     doc="forked residual into a linear: the dgrad GEMM accumulates into the residual's gradient (TE BackwardLinearAdd)",
 )
 
@@ -94,6 +98,7 @@ BACKWARD_LINEAR_SCALE = Rule(
     "backward",
     P(core._constant_scale, P(core._linear, "x", "w", "b"), name="scale"),
     _backward_linear_scale,
+    condition=backward_parallel_reason,
     doc="scale after a linear: alpha = scale in the dgrad and wgrad GEMMs (TE BackwardLinearScale)",
 )
 

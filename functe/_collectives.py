@@ -1,0 +1,291 @@
+"""Collectives on torch.distributed's functional collectives, safe under every transform.
+
+:func:`collective` runs ``all_gather``, ``reduce_scatter`` or ``all_reduce`` over a process group
+with ``torch.ops._c10d_functional`` (the ops ``torch.distributed._functional_collectives`` is
+built on): they return a new tensor instead of writing their input, so they are pure, and
+``torch.compile`` traces them into the graph. functe waits for the result at once
+(``wait_tensor``), so a collective's output is an ordinary tensor.
+
+Measured on torch 2.13 (gloo, CPU), and why this module is more than a call:
+
+* The functional ops have **no batching rule**: under ``torch.func.vmap`` an all-reduce returned
+  wrong numbers and an all-gather zeros, silently. Here a collective launched on a functorch
+  wrapper goes through :class:`_Collective`, an ``autograd.Function`` whose ``vmap`` rule moves the
+  vmapped dimension in front and runs one collective over the whole batch, whose ``jvp`` applies
+  the collective to the tangent (collectives are linear), and whose ``backward`` is the adjoint
+  collective (all-gather <-> reduce-scatter, all-reduce -> all-reduce), so second derivatives
+  through a backward rule that communicates are exact.
+* A **shape mismatch** between ranks is not an error in gloo: an all-gather of ``f32[2,3]`` on one
+  rank and ``f32[3,3]`` on another aborted the process (``gloo::EnforceNotMet``, SIGABRT); NCCL
+  hangs or reads garbage. Unless checks are off (:func:`set_collective_checks`,
+  ``FUNCTE_CHECK_COLLECTIVES=0``), every eager collective first all-gathers a small signature
+  (collective, dim, reduction, dtype, shape) and every rank raises the same clear error if the
+  signatures differ. That costs one tiny collective and a host synchronisation per call; under
+  ``torch.compile`` and CUDA-graph capture the check is skipped (no host synchronisation there).
+* A rank that fails before a collective leaves the others waiting: the wait is bounded by the
+  process group's ``timeout`` (gloo raises ``RuntimeError`` after it; a peer process that exits
+  closes its connections and the others fail at once). functe adds no unbounded wait of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ._errors import DistributedError, DTypeError, ShapeError, describe, dtype_name
+
+Tensor = torch.Tensor
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+REDUCTIONS = ("sum", "max", "min")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A process group as static, hashable configuration: its c10d name and size.
+
+    Ops take a ``torch.distributed.ProcessGroup`` (or ``None`` for the default group) and keep
+    this value as a static parameter, so it shows in op lists and keys compiled graphs. A
+    single-process run (no process group initialised) is ``Group("", 1)``.
+
+    Example:
+        >>> Group("0", 2)
+        Group('0', size=2)
+    """
+
+    name: str
+    size: int
+
+    def __repr__(self):
+        return f"Group({self.name!r}, size={self.size})"
+
+
+SINGLE = Group("", 1)
+
+
+def resolve_group(op: str, group: object, arg: str = "group") -> Group:
+    """``group`` (a ProcessGroup, a :class:`Group`, or ``None`` for the default group) as a :class:`Group`."""
+    if isinstance(group, Group):
+        return group
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return SINGLE
+        group = dist.group.WORLD
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            f"functe.{op}: argument '{arg}' expected a torch.distributed.ProcessGroup or None, "
+            f"got {type(group).__name__}"
+        )
+    return Group(group.group_name, dist.get_world_size(group))
+
+
+# ----------------------------------------------------------------------------- checks
+
+_checks = os.environ.get("FUNCTE_CHECK_COLLECTIVES", "1") not in ("0", "false", "False", "")
+
+
+def set_collective_checks(enabled: bool) -> None:
+    """Turn the cross-rank signature check of every collective on or off (default on).
+
+    Every rank must use the same setting (the check is itself a collective). Off saves one tiny
+    collective and one host synchronisation per call; a mismatch then aborts (gloo) or hangs
+    (NCCL) instead of raising. ``FUNCTE_CHECK_COLLECTIVES=0`` turns it off at import.
+
+    Example:
+        >>> set_collective_checks(True)
+    """
+    global _checks
+    _checks = bool(enabled)
+
+
+@contextlib.contextmanager
+def collective_checks(enabled: bool) -> Iterator[None]:
+    """:func:`set_collective_checks` for a ``with`` block."""
+    global _checks
+    previous, _checks = _checks, bool(enabled)
+    try:
+        yield
+    finally:
+        _checks = previous
+
+
+# dtype codes for the signature (a dtype missing here gets -1 and is compared by that)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, *_FP8, torch.int64, torch.int32, torch.uint8)
+_MAX_DIMS = 12
+
+
+def _signature(kind: str, x: Tensor, dim: int, op: str) -> list[int]:
+    code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
+    dims = list(x.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(x.dim(), _MAX_DIMS))
+    return [KINDS.index(kind), dim, REDUCTIONS.index(op), code, x.dim(), x.numel(), *dims]
+
+
+def _describe_signature(sig: list[int]) -> str:
+    kind, dim, op, code, ndim = KINDS[sig[0]], sig[1], REDUCTIONS[sig[2]], sig[3], sig[4]
+    shape = ",".join(str(d) for d in sig[6 : 6 + min(ndim, _MAX_DIMS)]) + (",..." if ndim > _MAX_DIMS else "")
+    args = [f"{dtype_name(_DTYPES[code]) if code >= 0 else '?'}[{shape}]"]
+    if kind != "all_reduce":
+        args.append(f"dim={dim}")
+    if kind != "all_gather":
+        args.append(op)
+    return f"{kind}({', '.join(args)})"
+
+
+def _skip_check(x: Tensor) -> bool:
+    if not _checks or x.device.type == "meta" or torch.compiler.is_compiling():
+        return True
+    if torch._subclasses.fake_tensor.is_fake(x):
+        return True
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> None:
+    """Raise on every rank if the ranks are about to run different collectives or shapes."""
+    sig = _signature(kind, x, dim, op)
+    mine = torch.tensor(sig, dtype=torch.int64, device=x.device)
+    c10d = torch.ops._c10d_functional
+    rows = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, group.size, group.name))
+    rows = rows.view(group.size, len(sig)).tolist()  # the host synchronisation
+    if all(row == rows[0] for row in rows):
+        return
+    listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
+    if any((row[0], row[2]) != (rows[0][0], rows[0][2]) for row in rows):
+        raise DistributedError(
+            f"functe.{who}: the ranks of {group!r} run different collectives at this point: {listing} "
+            "(every rank must run the same ops in the same order)"
+        )
+    raise ShapeError(f"functe.{who}: every rank of {group!r} must pass the same shape and dtype: {listing}")
+
+
+# ----------------------------------------------------------------------------- execution
+
+
+def _out_shape(kind: str, shape: torch.Size, dim: int, size: int) -> list[int]:
+    out = list(shape)
+    if kind == "all_gather":
+        out[dim] *= size
+    elif kind == "reduce_scatter":
+        out[dim] //= size
+    return out
+
+
+def _raw(kind: str, x: Tensor, group: Group, dim: int, op: str) -> Tensor:
+    """The functional collective itself, waited for; ``dim`` moved to the front where needed."""
+    if x.device.type == "meta":  # shapes only (functe.trace runs forward rules on meta tensors)
+        return x.new_empty(_out_shape(kind, x.shape, dim, group.size))
+    c10d = torch.ops._c10d_functional
+    if kind == "all_reduce":
+        return c10d.wait_tensor(c10d.all_reduce(x, op, group.name))
+    moved = x if dim == 0 else x.movedim(dim, 0)
+    data = moved.view(torch.uint8) if moved.dtype in _FP8 else moved  # gloo has no float8: move bytes
+    if kind == "all_gather":
+        out = c10d.all_gather_into_tensor(data.contiguous(), group.size, group.name)
+    else:
+        out = c10d.reduce_scatter_tensor(data.contiguous(), op, group.size, group.name)
+    out = c10d.wait_tensor(out)
+    out = out.view(moved.dtype) if moved.dtype in _FP8 else out
+    return out if dim == 0 else out.movedim(0, dim)
+
+
+def _validate(kind: str, x: Tensor, group: Group, dim: int, who: str) -> None:
+    """Local argument checks, made after the cross-rank check so that all ranks raise together."""
+    if kind == "reduce_scatter" and x.shape[dim] % group.size:
+        raise ShapeError(
+            f"functe.{who}: argument 'x' expected dim {dim} divisible by the group size {group.size} "
+            f"(each rank keeps one slice), got {describe(x)}"
+        )
+    if x.dtype in _FP8 and kind != "all_gather":
+        raise DTypeError(f"functe.{who}: float8 tensors can be gathered but not reduced, got {describe(x)}")
+
+
+def _execute(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> Tensor:
+    if not _skip_check(x):
+        _check(kind, x, group, dim, op, who)
+    _validate(kind, x, group, dim, who)
+    return _raw(kind, x, group, dim, op)
+
+
+def _needs_function(x: Tensor) -> bool:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return True
+    return torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
+def collective(kind: str, x: Tensor, group: Group, *, dim: int = 0, op: str = "sum", who: str = "") -> Tensor:
+    """Run collective ``kind`` on ``x`` over ``group`` and return the (waited) result.
+
+    * ``all_gather``: concatenate every rank's ``x`` along ``dim`` (rank order);
+    * ``reduce_scatter``: reduce (``op``) over ranks, then keep this rank's slice along ``dim``;
+    * ``all_reduce``: reduce (``op``: ``"sum"``, ``"max"``, ``"min"``) over ranks.
+
+    ``who`` names the op in error messages. Differentiable (and batchable) through
+    :class:`_Collective` when ``x`` requires grad or is a ``torch.func`` wrapper.
+    """
+    if group.size == 1:
+        return x
+    if torch.compiler.is_compiling():
+        # Dynamo traces the functional op into the graph; a Function nested in the op Function
+        # being traced is not supported, and compiled code is first-order (docs/design.md).
+        _validate(kind, x, group, dim, who)
+        return _raw(kind, x, group, dim, op)
+    if _needs_function(x):
+        return _Collective.apply(x, kind, group, dim, op, who)
+    return _execute(kind, x, group, dim, op, who)
+
+
+def _extremum_mask(x: Tensor, y: Tensor, group: Group, who: str) -> Tensor:
+    """Where ``x`` attains the max/min ``y`` of all ranks, divided by how many ranks do (ties share)."""
+    hits = (x == y).to(x.dtype)
+    return hits / collective("all_reduce", hits, group, op="sum", who=who)
+
+
+class _Collective(torch.autograd.Function):
+    """A collective as an ``autograd.Function``: its adjoint as backward, itself as jvp, a real vmap rule."""
+
+    @staticmethod
+    def forward(x, kind, group, dim, op, who):
+        return _execute(kind, x, group, dim, op, who)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, kind, group, dim, op, who = inputs
+        ctx.args = (kind, group, dim, op, who)
+        if op != "sum":
+            ctx.save_for_backward(x, output)
+            ctx.save_for_forward(x, output)
+
+    @staticmethod
+    def backward(ctx, dy):
+        kind, group, dim, op, who = ctx.args
+        if op != "sum":  # max/min all-reduce: the gradient goes to the ranks holding the extremum
+            x, y = ctx.saved_tensors
+            dx = collective("all_reduce", dy, group, op="sum", who=who) * _extremum_mask(x, y, group, who)
+        elif kind == "all_gather":
+            dx = collective("reduce_scatter", dy, group, dim=dim, op="sum", who=who)
+        elif kind == "reduce_scatter":
+            dx = collective("all_gather", dy, group, dim=dim, who=who)
+        else:  # each rank's input reaches every rank's output
+            dx = collective("all_reduce", dy, group, op="sum", who=who)
+        return dx, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        kind, group, dim, op, who = ctx.args
+        if op != "sum":
+            x, y = ctx.saved_tensors
+            return collective("all_reduce", dx * _extremum_mask(x, y, group, who), group, op="sum", who=who)
+        return collective(kind, dx, group, dim=dim, op=op, who=who)
+
+    @staticmethod
+    def vmap(info, in_dims, x, kind, group, dim, op, who):
+        if in_dims[0] is None:
+            return collective(kind, x, group, dim=dim, op=op, who=who), None
+        # One collective for the whole batch: the vmapped dim goes in front, the op's dim shifts by one.
+        batched = x.movedim(in_dims[0], 0)
+        return collective(kind, batched, group, dim=dim + 1, op=op, who=who), 0

@@ -1,0 +1,98 @@
+"""Data parallelism as a function: gradients all-reduced as a pytree, and the training-step wrapper.
+
+Each data-parallel rank runs the same step on its own batch; the parameter gradients (and the
+loss) are averaged over the group, so every rank applies the same update and the replicas stay
+identical. :func:`all_reduce_gradients` packs every floating leaf of a pytree into one flat
+buffer per (dtype, device) and runs one all-reduce per buffer (what DDP's buckets do, without
+hooks or module state); :func:`data_parallel_value_and_grad` wraps :func:`functe.value_and_grad`.
+
+FP8 scaling states under data parallelism: pass the data-parallel (or the world) group as
+``amax_group`` to ``ops.fp8_linear``, so that amaxes are MAX-reduced inside the ops and the next
+states come out identical on every replica (TE reduces over its ``fp8_group`` the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._collectives import collective, resolve_group
+from ._errors import DTypeError, describe
+from ._train import value_and_grad
+from ._tree import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+Tensor = torch.Tensor
+
+
+def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, average: bool = True) -> Any:
+    """Sum (``average``: the mean) of every tensor in ``tree`` over the ranks of ``group``.
+
+    Tensors are packed into one flat buffer per dtype and device, so a whole gradient pytree
+    costs one all-reduce per dtype. ``None`` leaves pass through; every tensor must be floating
+    point. Every rank must pass the same structure and shapes (checked with the collective). One
+    rank (or no process group): the tree itself.
+
+    Example:
+        >>> import torch, functe
+        >>> functe.all_reduce_gradients({"w": torch.ones(2), "b": None})["w"].tolist()
+        [1.0, 1.0]
+    """
+    g = resolve_group("all_reduce_gradients", group)
+    leaves, spec = tree_flatten(tree)
+    for leaf in leaves:
+        if leaf is not None and not (isinstance(leaf, Tensor) and leaf.is_floating_point()):
+            raise DTypeError(
+                f"functe.all_reduce_gradients: every leaf must be a floating-point tensor or None, got {describe(leaf)}"
+            )
+    if g.size == 1:
+        return tree
+    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf is not None:
+            buckets.setdefault((leaf.dtype, leaf.device), []).append(i)
+    out = list(leaves)
+    for members in buckets.values():
+        flat = torch.cat([leaves[i].reshape(-1) for i in members])
+        flat = collective("all_reduce", flat, g, op="sum", who="all_reduce_gradients")
+        if average:
+            flat = flat / g.size
+        for i, part in zip(members, flat.split([leaves[i].numel() for i in members])):
+            out[i] = part.view(leaves[i].shape)
+    return tree_unflatten(spec, out)
+
+
+def data_parallel_value_and_grad(
+    fn: Callable[..., Any], *, group: ProcessGroup | None = None, has_aux: bool = False, check: bool = True
+) -> Callable[..., Any]:
+    """:func:`functe.value_and_grad` with the loss and parameter gradients averaged over ``group``.
+
+    ``step(params, state, *batch) -> (loss, param_grads, next_state)``: each rank passes its own
+    shard of the batch; the returned loss is the mean over ranks, the gradients are the means
+    (one all-reduce per dtype, the loss included), ``aux`` (with ``has_aux``) stays per rank.
+    With equal per-rank batch sizes and a mean-reduced loss this is the gradient of the loss
+    over the global batch. FP8 states stay identical across ranks when the quantized ops reduce
+    their amaxes over the same group (``amax_group=``, see ``ops.fp8_linear``).
+
+    Example:
+        >>> import torch, functe
+        >>> def loss_fn(params, state, x):
+        ...     return functe.ops.linear(x, params["w"]).square().mean()
+        >>> step = functe.data_parallel_value_and_grad(loss_fn)
+        >>> loss, grads, _ = step({"w": torch.ones(2, 3)}, None, torch.ones(4, 3))
+        >>> loss.item(), grads["w"].shape
+        (9.0, torch.Size([2, 3]))
+    """
+    local = value_and_grad(fn, has_aux=has_aux, check=check)
+
+    def step(params, state, *args, **kwargs):
+        value, grads, next_state = local(params, state, *args, **kwargs)
+        loss, aux = value if has_aux else (value, None)
+        loss, grads = all_reduce_gradients((loss, grads), group=group)
+        return ((loss, aux) if has_aux else loss), grads, next_state
+
+    return step

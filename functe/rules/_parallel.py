@@ -1,0 +1,94 @@
+"""Conditions that keep fusions away from tensor-parallel linears (TransformerEngine's rules).
+
+A parallel linear (``ops.linear`` / ``ops.fp8_linear`` with ``tensor_parallel_mode``) carries a
+:class:`functe.LinearParallelism` in its ``parallel`` parameter, and its rules communicate around
+the GEMMs (``functe/_parallel.py``). A fused op that replaces the linear's forward or backward
+does not communicate, so a rule covering such a linear must decline where the communication sits
+between the GEMM and what the fusion folds into it:
+
+* **forward** (GEMM epilogues: residual add, scale, bias + activation, output cast): decline a
+  row-parallel linear (its GEMM output is a partial sum, reduced across ranks first; TE's
+  ForwardLinear* fusions require "not row-TP") and a column-parallel one with sequence
+  parallelism (its input is all-gathered before the GEMM);
+* **backward** (dgrad accumulating a residual's gradient, a scale as alpha): decline a
+  column-parallel linear (dx is a partial sum, reduced across ranks after the dgrad; TE's
+  BackwardLinear* fusions require "not column-TP") and a row-parallel one with sequence
+  parallelism (dy is all-gathered before the GEMMs).
+
+Every rule whose match covers a linear calls :func:`forward_parallel_reason` or
+:func:`backward_parallel_reason` (for its phase) in its condition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ._pattern import Match
+
+
+def _parallel_linears(m: Match):
+    for eqn in m.covered:
+        parallel = eqn.params.get("parallel")
+        if parallel is not None and parallel.mode is not None:
+            yield eqn, parallel
+
+
+def forward_parallel_reason(m: Match) -> str | None:
+    """Why a forward fusion covering a tensor-parallel linear declines (``None``: it need not)."""
+    for eqn, p in _parallel_linears(m):
+        if p.mode == "row":
+            return (
+                f"row tensor-parallel {eqn.name}: its GEMM output is a partial sum that is "
+                f"{'reduce-scattered' if p.sequence_parallel else 'all-reduced'} across ranks before the bias and "
+                "anything after it apply, so no GEMM epilogue can fuse (TE: not with row tensor parallelism)"
+            )
+        if p.gathers_input:
+            return (
+                f"column tensor-parallel {eqn.name} with sequence parallelism: its input is all-gathered before the "
+                "GEMM, which the fused op does not do"
+            )
+    return None
+
+
+def backward_parallel_reason(m: Match) -> str | None:
+    """Why a backward fusion covering a tensor-parallel linear declines (``None``: it need not)."""
+    for eqn, p in _parallel_linears(m):
+        if p.mode == "column":
+            return (
+                f"column tensor-parallel {eqn.name}: dx is a partial sum that is "
+                f"{'reduce-scattered' if p.sequence_parallel else 'all-reduced'} across ranks after the dgrad GEMM, "
+                "which the fused backward does not do (TE: not with column tensor parallelism)"
+            )
+        if p.gathers_grad_output:
+            return (
+                f"row tensor-parallel {eqn.name} with sequence parallelism: dy is all-gathered before the GEMMs, "
+                "which the fused backward does not do"
+            )
+    return None
+
+
+def any_parallel_reason(m: Match) -> str | None:
+    """Why a fusion around a tensor-parallel FP8 linear declines, in either phase.
+
+    The fused FP8 ops (q-in casts, dact + dbias + cast) call the linear's quantized forward or
+    backward directly, which neither reduces amaxes across ranks (TE's reduce_amax) nor
+    communicates activations, so any tensor-parallel mode keeps the unfused ops.
+    """
+    for eqn, p in _parallel_linears(m):
+        return (
+            f"{p.mode} tensor-parallel {eqn.name}: the fused FP8 op neither reduces amaxes across ranks "
+            "nor communicates, so the linear keeps its own rules"
+        )
+    return None
+
+
+def first_reason(*conditions: Callable[[Match], str | None]) -> Callable[[Match], str | None]:
+    """A condition declining with the first reason any of ``conditions`` gives."""
+
+    def condition(m: Match) -> str | None:
+        for c in conditions:
+            if (reason := c(m)) is not None:
+                return reason
+        return None
+
+    return condition

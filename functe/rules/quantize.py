@@ -1,0 +1,136 @@
+"""Fusion rules around the quantized linear (``fp8_linear``).
+
+* **q-in** (forward): a norm or an activation feeding an ``fp8_linear`` emits its output already
+  quantized for that linear's input (TE: the next op's input quantizer inside ``layernorm_fwd`` /
+  ``rmsnorm_fwd`` and the activation kernels);
+* **quantized BackwardActivationBias** (backward): the activation's backward, the bias gradient
+  and the cast of ``g`` with the producing linear's grad-output state in one pass (TE's
+  ``dbias_dgelu`` / ``dbias_drelu``).
+
+**Condition.** TE fuses these when a recipe is on and the neighbouring op owns the quantizer. In
+functe the ``fp8_linear`` equation carries both, its ``recipe`` and its scaling state, so the rules
+read the recipe from that equation; ``fuse(fn, recipe=r)`` is an optional assertion (a linear with
+another recipe is reported and left unfused). MXFP8 is declined: its linear quantizes columnwise
+copies again from the high-precision tensors, so the producer must write its high-precision
+output anyway and nothing is saved. The fused ops are in :mod:`functe.ops._fused_fp8`.
+"""
+
+from __future__ import annotations
+
+from .._oplist import Literal
+from .._recipe import MXFP8BlockScaling
+from ..ops import _activation as act
+from ..ops import _core as core
+from ..ops import _fp8_linear as fp8
+from ..ops import _fused_fp8 as fused
+from ._parallel import any_parallel_reason
+from ._pattern import Match, Rule, RuleSet
+from ._pattern import Pattern as P
+from .activation import elementwise
+from .norm import NORMS, norm_kind
+
+
+def _recipe(m: Match) -> str | None:
+    if (reason := any_parallel_reason(m)) is not None:
+        return reason
+    recipe = m.params("fp8")["recipe"]
+    if isinstance(recipe, MXFP8BlockScaling):
+        return (
+            "MXFP8 recipe: fp8_linear quantizes column-wise copies from the high-precision tensor, "
+            "which the fused kernel would have to write anyway"
+        )
+    if m.recipe is not None and m.recipe != recipe:
+        return f"fp8_linear uses {recipe!r}, not the recipe given to fuse ({m.recipe!r})"
+    return None
+
+
+def _activation_quantize_condition(m: Match) -> str | None:
+    if m.params("act")["interleave"]:
+        return "interleaved gated layout: the quantizing activation kernel reads the chunked layout"
+    return _recipe(m)
+
+
+def _backward_condition(m: Match) -> str | None:
+    return _recipe(m) or elementwise(m)
+
+
+def _norm_quantize(m: Match):
+    kind, beta = norm_kind(m)
+    _, w, b, state = m.args("fp8")
+    return m.fuse(
+        fused.forward_norm_fp8_linear,
+        [m["x"], m["g"], beta, w, b, state],
+        kind=kind,
+        **m.params("norm"),
+        recipe=m.params("fp8")["recipe"],
+    )
+
+
+def _activation_quantize(m: Match):
+    p = m.params("act")
+    _, w, b, state = m.args("fp8")
+    return m.fuse(
+        fused.forward_activation_fp8_linear,
+        [m["x"], w, b, state],
+        name=p["name"],
+        limit=p["limit"],
+        alpha=p["alpha"],
+        offset=p["offset"],
+        recipe=m.params("fp8")["recipe"],
+    )
+
+
+def _fp8_activation(m: Match):
+    x, w, b, state = m.args("fp8")
+    extra = m["b2"] if "bias" in m.eqns else Literal(None)
+    return m.fuse(
+        fused.backward_fp8_linear_activation,
+        [x, w, b, state, extra],
+        activation=m.params("act")["name"],
+        recipe=m.params("fp8")["recipe"],
+    )
+
+
+# fp8_linear(norm(x, g[, beta]), w, b, state) -> forward_norm_fp8_linear(x, g, beta, w, b, state)
+FORWARD_NORM_QUANTIZE = Rule(
+    "forward_norm_quantize",
+    "forward",
+    P(fp8._fp8_linear, P(NORMS, "x", "g", ..., name="norm"), ..., name="fp8"),
+    _norm_quantize,
+    condition=_recipe,
+    doc="norm feeding an FP8 linear: the norm kernel emits the quantized input (q-in)",
+)
+
+# fp8_linear(activation(x), w, b, state) -> forward_activation_fp8_linear(x, w, b, state)
+FORWARD_ACTIVATION_QUANTIZE = Rule(
+    "forward_activation_quantize",
+    "forward",
+    P(fp8._fp8_linear, P(act._activation, "x", None, name="act"), ..., name="fp8"),
+    _activation_quantize,
+    condition=_activation_quantize_condition,
+    doc="activation feeding an FP8 linear: the activation kernel emits the quantized input (q-in)",
+)
+
+# activation(fp8_linear(x, w, b, state)) -> backward_fp8_linear_activation(x, w, b, state, None)
+BACKWARD_FP8_LINEAR_ACTIVATION = Rule(
+    "backward_fp8_linear_activation",
+    "backward",
+    P(act._activation, P(fp8._fp8_linear, "x", ..., name="fp8"), None, name="act"),
+    _fp8_activation,
+    condition=_backward_condition,
+    doc="activation after an FP8 linear: dact + dbias + cast with the linear's grad-output state, one pass",
+)
+
+# activation(bias(fp8_linear(x, w, b, state), b2)) -> backward_fp8_linear_activation(x, w, b, state, b2)
+BACKWARD_FP8_LINEAR_BIAS_ACTIVATION = Rule(
+    "backward_fp8_linear_bias_activation",
+    "backward",
+    P(act._activation, P(core._bias, P(fp8._fp8_linear, "x", ..., name="fp8"), "b2", name="bias"), None, name="act"),
+    _fp8_activation,
+    condition=_backward_condition,
+    doc="TE's window [linear, bias, activation] under FP8: dact + dbias + cast in one pass (BackwardActivationBias)",
+)
+
+FORWARD_QUANTIZE_RULES = RuleSet([FORWARD_NORM_QUANTIZE, FORWARD_ACTIVATION_QUANTIZE])
+BACKWARD_QUANTIZE_RULES = RuleSet([BACKWARD_FP8_LINEAR_ACTIVATION, BACKWARD_FP8_LINEAR_BIAS_ACTIVATION])
+QUANTIZE_RULES = FORWARD_QUANTIZE_RULES + BACKWARD_QUANTIZE_RULES
