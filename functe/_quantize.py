@@ -235,8 +235,9 @@ def quantize(
 
     Args:
         x: ``[..., K]`` in fp32/fp16/bf16.
-        recipe: :class:`functe.DelayedScaling`, :class:`functe.CurrentScaling` or
-            :class:`functe.MXFP8BlockScaling`.
+        recipe: :class:`functe.DelayedScaling`, :class:`functe.CurrentScaling`,
+            :class:`functe.MXFP8BlockScaling`, :class:`functe.Float8BlockScaling` or
+            :class:`functe.NVFP4BlockScaling`.
         state: the role's :class:`functe.ScalingState` (delayed scaling only).
         role: ``"input"``, ``"weight"`` or ``"grad_output"``; picks E4M3 or E5M2 under HYBRID, and
             2-D blocks for weights under the block recipes.
