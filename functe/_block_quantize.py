@@ -28,7 +28,7 @@ from ._recipe import Float8BlockScaling, NVFP4BlockScaling
 from .kernels.block_quantize import FP8_BLOCK_CAST, FP8_BLOCK_CAST_2D, FP8_BLOCK_DEQUANTIZE
 from .kernels.hadamard import RHT16, RHT_SIZE
 from .kernels.nvfp4 import NVFP4_CAST, NVFP4_DEQUANTIZE, global_scales_ref
-from .kernels.quantize import ACT_CAST_AMAX, CAST_AMAX
+from .kernels.quantize import ACT_OUTPUT_CAST_AMAX, CAST_AMAX
 
 Tensor = torch.Tensor
 
@@ -68,8 +68,8 @@ def _quantize(x, act, params, recipe, role, out_dtype, seed, op="cast_block"):
         return q, None, None, block_scales
     # NVFP4: the tensor's amax first (the activation recomputed, not stored), then the cast.
     one, fp8 = torch.ones((), device=x.device), torch.float8_e4m3fn
-    if act:
-        _, amax = ACT_CAST_AMAX(x, one, act, *params, fp8, fp8, False)
+    if act:  # the amax of the activation's value rounded to x's dtype, as the cast kernel sees it
+        _, amax = ACT_OUTPUT_CAST_AMAX(x, one, act, *params, fp8, fp8, False)
     else:
         _, amax = CAST_AMAX(x, one, fp8, fp8, False)
     stochastic = _stochastic(recipe, role)

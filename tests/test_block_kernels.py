@@ -120,9 +120,10 @@ def test_fp8_block_special_blocks():
     assert sinv.tolist() == [[2.0 ** -math.floor(math.log2(448 / 0.01))] * 2]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act", ACTS)
-def test_fp8_block_activation_fusion_equals_activation_then_cast(act, backend):
-    x = torch.randn(7, 300) * 3
+def test_fp8_block_activation_fusion_equals_activation_then_cast(act, dtype, backend):
+    x = (torch.randn(7, 300) * 3).to(dtype)
     x[0, 0] = 9.0  # beyond the clamped SwiGLU's limit
     recipe = functe.Float8BlockScaling()
     q, scale, amax = cast_act_block(x, act, recipe, "input", None, torch.float32)
@@ -250,9 +251,10 @@ def test_nvfp4_block_scale_rounding_down_saturates_to_six():
     assert (packed[0, 0] & 0xF).item() == 7 and (packed[0, 0] >> 4).item() == 15  # +6 and -6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act", ACTS)
-def test_nvfp4_activation_fusion_equals_activation_then_quantize(act, backend):
-    x = torch.randn(5, 96) * 3
+def test_nvfp4_activation_fusion_equals_activation_then_quantize(act, dtype, backend):
+    x = (torch.randn(5, 96) * 3).to(dtype)
     x[0, 0] = 9.0
     recipe = functe.NVFP4BlockScaling()
     q, scale, amax = cast_act_block(x, act, recipe, "input", None, torch.float32)

@@ -62,7 +62,12 @@ def act_value(
     GATED: tl.constexpr,
     CLAMPED: tl.constexpr,
 ):
-    """``v`` at ``offs``: ``x``, or ``act(x)`` (gated: ``act(a) * b`` with ``b`` ``n_cols`` further), 0 where masked."""
+    """``v`` at ``offs``: ``x``, or ``act(x)`` (gated: ``act(a) * b`` with ``b`` ``n_cols`` further), 0 where masked.
+
+    The activation's value is rounded to ``x``'s dtype, as the activation op's output would be, so a
+    fused activation + cast equals the activation followed by the cast bit for bit (TE's kernels
+    quantize the fp32 value; functe's FP8 q-in kernels round the same way, ``docs/fusion.md``).
+    """
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if MODE == 1:
         if GATED:
@@ -73,6 +78,7 @@ def act_value(
                 v = _act.act_fwd(x, ACT) * b
         else:
             v = _act.act_fwd(x, ACT)
+        v = v.to(X.dtype.element_ty).to(tl.float32)
     else:
         v = x
     return tl.where(mask, v, 0.0)  # padding lanes: act(0) may be non-zero (sigmoid)
@@ -96,8 +102,11 @@ def act_layout(x: Tensor, act: str) -> tuple[int, bool, bool, int]:
 
 
 def act_value_ref(x: Tensor, act: str, limit: float, alpha: float, offset: float) -> Tensor:
-    """Twin of :func:`act_value` on a whole tensor, in fp32."""
-    return _value_ref(x, None, _MODE_ACT if act else _MODE_CAST, act, limit, alpha, offset)
+    """Twin of :func:`act_value` on a whole tensor, in fp32 (an activation's value rounded to ``x``'s dtype)."""
+    if not act:
+        return _value_ref(x, None, _MODE_CAST, act, limit, alpha, offset)
+    v = _value_ref(x, None, _MODE_ACT, act, limit, alpha, offset)
+    return v if x.dtype == torch.float32 else v.to(x.dtype).to(torch.float32)
 
 
 def rows_2d(x: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 
 TransformerEngine's NVFP4 quantization (``custom_recipes/reference_nvfp4.py``), for a tensor whose
 largest magnitude ``amax`` was measured in a first pass (:func:`functe.kernels.quantize.cast_amax`
-or ``act_cast_amax`` with ``write=False``)::
+or ``act_output_cast_amax`` with ``write=False``)::
 
     global_encode = 448·6 / amax       (FLT_MAX instead of inf; 1 instead of 0, i.e. for an infinite amax)
     global_decode = 1 / global_encode
