@@ -35,7 +35,16 @@ import triton.language as tl
 from .._kernel import Kernel, Rowwise
 from . import _act, _fast
 from ._triton import jit, next_power_of_2
-from .quantize import CLAMPED_SWIGLU, FP8_FORMATS, _storage, _value_ref, encode_fp8, round_to_fp8, saturate
+from .quantize import (
+    CLAMPED_SWIGLU,
+    FP8_FORMATS,
+    _storage,
+    _value_ref,
+    act_forward,
+    encode_fp8,
+    round_to_fp8,
+    saturate,
+)
 
 Tensor = torch.Tensor
 
@@ -70,14 +79,7 @@ def act_value(
     """
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if MODE == 1:
-        if GATED:
-            b = tl.load(X + offs + n_cols, mask=mask, other=0.0).to(tl.float32)
-            if CLAMPED:
-                v = _act.clamped_swiglu_fwd(x, b, limit, alpha, offset)
-            else:
-                v = _act.act_fwd(x, ACT) * b
-        else:
-            v = _act.act_fwd(x, ACT)
+        v = act_forward(X, x, offs, mask, n_cols, limit, alpha, offset, ACT, GATED, CLAMPED)
         v = v.to(X.dtype.element_ty).to(tl.float32)
     else:
         v = x
