@@ -155,6 +155,33 @@ def test_fusion_rules_decline_sequence_parallel_communication(capsys):
     assert "linear[parallel=column+sp@fake/2]" in out
 
 
+def test_phase2_rules_decline_parallel_linears():
+    """The activation epilogue, activation backward and FP8 q-in / dact rules keep parallel linears unfused."""
+    row = {"tensor_parallel_mode": "row", "group": FAKE}
+    col = {"tensor_parallel_mode": "column", "group": FAKE}
+
+    def mlp(x, w1, b1, w2, b2):
+        return ops.linear(ops.gelu(ops.linear(x, w1, b1, **row)), w2, b2, **col)
+
+    x, w1, b1, w2, b2 = (make(s, torch.bfloat16) for s in [(4, 8), (8, 8), (8,), (8, 8), (8,)])
+    plan = functe.fuse(mlp).plan(x, w1, b1, w2, b2)
+    assert plan.stats["forward"].declined[0][2].startswith("row tensor-parallel linear")
+    assert not plan.stats["forward"].fired
+    recipe = functe.DelayedScaling(amax_history_len=4)
+
+    def fp8_mlp(x, g, w1, w2, s1, s2):
+        h = ops.fp8_linear(ops.rms_norm(x, g), w1, None, s1, recipe=recipe, **col)
+        return ops.fp8_linear(ops.gelu(h), w2, None, s2, recipe=recipe, **row)
+
+    states = [functe.init_linear_scaling_state(recipe) for _ in range(2)]
+    plan = functe.fuse(fp8_mlp).plan(make((4, 16)), make((16,)), make((16, 16)), make((16, 16)), *states)
+    assert not plan.stats["forward"].fired and not plan.stats["backward"].fired
+    reasons = {r: reason for r, _, reason in plan.stats["forward"].declined + plan.stats["backward"].declined}
+    assert reasons["forward_norm_quantize"].startswith("column tensor-parallel fp8_linear: the fused FP8 op")
+    assert reasons["forward_activation_quantize"].startswith("row tensor-parallel fp8_linear")
+    assert reasons["backward_fp8_linear_activation"].startswith("column tensor-parallel fp8_linear")
+
+
 # ----------------------------------------------------------------------------- two processes
 
 
