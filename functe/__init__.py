@@ -50,8 +50,10 @@ from ._quantize import dequantize as dequantize
 from ._quantize import quantize as quantize
 from ._recipe import CurrentScaling as CurrentScaling
 from ._recipe import DelayedScaling as DelayedScaling
+from ._recipe import Float8BlockScaling as Float8BlockScaling
 from ._recipe import Format as Format
 from ._recipe import MXFP8BlockScaling as MXFP8BlockScaling
+from ._recipe import NVFP4BlockScaling as NVFP4BlockScaling
 from ._state import ScalingState as ScalingState
 from ._state import init_scaling_state as init_scaling_state
 from ._trace import opaque as opaque

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from ._block_quantize import dequantize_block, quantize_block
 from ._errors import FuncteError, ShapeError, StateError, check_tensor, describe
 from ._fp8_state import current_scale, delayed_scaling_update
-from ._recipe import ROLES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
+from ._recipe import BLOCK_RECIPES, ROLES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
+from ._seed import seed_tensor
 from ._state import ScalingState, check_scaling_state
 from ._tree import pytree_dataclass
 from .kernels.norm_quantize import NORM_CAST_AMAX
@@ -45,6 +47,13 @@ class QuantizedTensor:
         block_scales: MXFP8 only (else ``None``): ``u8[..., ceil(K/32)]`` E8M0 biased exponents,
             one per 32 elements of the last dim, ``scale_inv = 2**(e - 127)`` (255 = NaN); view
             them as ``torch.float8_e8m0fnu`` for APIs that take that dtype.
+
+    Block recipes (``docs/block_scaling.md``): :class:`functe.Float8BlockScaling` stores float8
+    ``data``, ``scale_inv=None`` and fp32 ``block_scales`` (the per-block ``scale_inv``:
+    ``[..., ceil(K/128)]``, weights ``[ceil(M/128), ceil(K/128)]``); :class:`functe.NVFP4BlockScaling`
+    stores packed E2M1 codes ``u8[..., K/2]`` (element ``2i`` in the low nibble; view as
+    ``torch.float4_e2m1fn_x2``), the global decode scale ``f32[]`` as ``scale_inv`` and
+    ``float8_e4m3fn`` block scales (``[..., ceil(K/16)]``, weights ``[ceil(M/16), ceil(K/16)]``).
 
     Example:
         >>> import torch, functe
@@ -217,7 +226,7 @@ _ONE = torch.ones((), dtype=torch.float32)
 
 
 def quantize(
-    x: Tensor, recipe: Recipe, *, state: ScalingState | None = None, role: str = "input"
+    x: Tensor, recipe: Recipe, *, state: ScalingState | None = None, role: str = "input", seed=None
 ) -> tuple[QuantizedTensor, ScalingState | None]:
     """Quantize ``x`` for tensor ``role`` under ``recipe``: ``(QuantizedTensor, next state)``.
 
@@ -228,10 +237,14 @@ def quantize(
 
     Args:
         x: ``[..., K]`` in fp32/fp16/bf16.
-        recipe: :class:`functe.DelayedScaling`, :class:`functe.CurrentScaling` or
-            :class:`functe.MXFP8BlockScaling`.
+        recipe: :class:`functe.DelayedScaling`, :class:`functe.CurrentScaling`,
+            :class:`functe.MXFP8BlockScaling`, :class:`functe.Float8BlockScaling` or
+            :class:`functe.NVFP4BlockScaling`.
         state: the role's :class:`functe.ScalingState` (delayed scaling only).
-        role: ``"input"``, ``"weight"`` or ``"grad_output"``; picks E4M3 or E5M2 under HYBRID.
+        role: ``"input"``, ``"weight"`` or ``"grad_output"``; picks E4M3 or E5M2 under HYBRID, and
+            2-D blocks for weights under the block recipes.
+        seed: NVFP4 only: a Python int or ``i64[]`` tensor, the random bits of stochastic rounding
+            (``role="grad_output"`` unless disabled). Block recipes: see ``docs/block_scaling.md``.
 
     Example:
         >>> import torch, functe
@@ -245,6 +258,11 @@ def quantize(
     if role not in ROLES:
         raise FuncteError(f"functe.quantize: argument 'role' expected one of {ROLES}, got {role!r}")
     x = x.detach()
+    if isinstance(recipe, BLOCK_RECIPES):
+        _no_state(state, recipe)
+        seed = None if seed is None else seed_tensor(seed, x, "quantize")
+        data, scale_inv, block_scales = quantize_block(x, recipe, role, seed)
+        return QuantizedTensor(data=data, scale_inv=scale_inv, block_scales=block_scales), None
     qdtype = recipe.dtype(role)
     if isinstance(recipe, MXFP8BlockScaling):
         _no_state(state, recipe)
@@ -286,6 +304,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> Tensor
     """
     if not isinstance(q, QuantizedTensor):
         raise FuncteError(f"functe.dequantize: argument 'q' expected a QuantizedTensor, got {type(q).__name__}")
+    if q.block_scales is not None and q.block_scales.dtype != torch.uint8:
+        return dequantize_block(q.data, q.scale_inv, q.block_scales).to(dtype)
     values = q.data.to(torch.float32)
     if q.block_scales is None:
         return (values * q.scale_inv).to(dtype)

@@ -10,6 +10,9 @@ TransformerEngine's semantics (``../shared/reference/transformer_engine_ops.md``
 * :class:`CurrentScaling`: per-tensor scales from the tensor's own amax (stateless).
 * :class:`MXFP8BlockScaling`: one E8M0 (power-of-two) scale per 32 consecutive elements
   (stateless).
+* :class:`Float8BlockScaling` (DeepSeek-style 1x128 / 128x128 fp32 scales) and
+  :class:`NVFP4BlockScaling` (E2M1 with E4M3 block scales and an fp32 tensor scale): stateless,
+  implemented in :mod:`functe._block_quantize`.
 
 A recipe is never a global or a context: ops take it as a keyword argument (``recipe=``), and
 since it is hashable it is a valid static argument of :func:`functe.custom_vjp`.
@@ -181,8 +184,119 @@ class MXFP8BlockScaling(_Recipe):
         _check_format("MXFP8BlockScaling", self.fp8_format, (Format.E4M3, Format.HYBRID))
 
 
-Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling
-RECIPES = (DelayedScaling, CurrentScaling, MXFP8BlockScaling)
+# ----------------------------------------------------------------------------- block-scaled recipes
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(_Recipe):
+    """DeepSeek-style FP8 block scaling (TE's Float8BlockScaling); stateless.
+
+    One fp32 scale per block: 1x128 (128 consecutive elements of a row) for inputs and
+    gradients, 128x128 for weights. ``scale = fp8_max / max(block_amax, amax_epsilon)``, 1 for an
+    amax of 0, inf or NaN, FLT_MAX instead of inf, and with ``power_2_scales`` (TE's default) the
+    scale is rounded *down* to a power of two. A dimension that is not a multiple of 128 ends in a
+    partial block, quantized as if zero-padded to 128 (TE requires multiples of 128; its reference
+    pads the same way). See ``docs/block_scaling.md``.
+
+    Args:
+        fp8_format: ``Format.E4M3`` (default, gradients too) or ``Format.HYBRID`` (E5M2 gradients).
+        power_2_scales: power-of-two scales (TE's default); ``False`` keeps plain fp32 scales
+            (TE's ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``).
+        amax_epsilon: lower bound of a block's amax (>= 0).
+
+    Example:
+        >>> r = Float8BlockScaling()
+        >>> r.block_size, r.block_shape("input"), r.block_shape("weight"), r.dtype("grad_output")
+        (128, (1, 128), (128, 128), torch.float8_e4m3fn)
+    """
+
+    fp8_format: Format = Format.E4M3
+    power_2_scales: bool = True
+    amax_epsilon: float = 0.0
+    block_size = 128
+
+    def __post_init__(self):
+        _check_format("Float8BlockScaling", self.fp8_format, (Format.E4M3, Format.HYBRID))
+        if not isinstance(self.power_2_scales, bool):
+            raise RecipeError(f"functe.Float8BlockScaling: power_2_scales must be a bool, got {self.power_2_scales!r}")
+        eps = self.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0.0:
+            raise RecipeError(f"functe.Float8BlockScaling: amax_epsilon must be a number >= 0, got {eps!r}")
+
+    def block_shape(self, role: str) -> tuple[int, int]:
+        """``(rows, cols)`` of one scaling block of tensor ``role``: 128x128 for weights, else 1x128."""
+        self.dtype(role)  # validates the role
+        return (128, 128) if role == "weight" else (1, 128)
+
+
+E2M1_MAX = 6.0
+"""Largest E2M1 magnitude (the grid is 0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling(_Recipe):
+    """NVFP4 (TE's NVFP4BlockScaling): E2M1 values, one E4M3 scale per 16 values, one fp32 scale per tensor.
+
+    Quantization of a tensor ``x`` (TE's reference ``reference_nvfp4.py``):
+    ``global_encode = 448 * 6 / amax(x)`` (FLT_MAX instead of inf, 1 instead of 0),
+    per block ``s = e4m3(clamp(block_amax * (global_encode / 6), 448))`` and
+    ``q = e2m1(clamp(x / (s * global_decode), ±6))`` with ``global_decode = 1 / global_encode``;
+    ``dequantize = q * s * global_decode``. Stateless.
+
+    TE's three training techniques, each switchable with TE's flag names:
+
+    * weights use 16x16 blocks (one scale per tile, so the transpose is the same quantized
+      tensor): ``disable_2d_quantization``;
+    * the wgrad copies of inputs and gradients (quantized along the token dimension) get a
+      random Hadamard transform (16x16, random signs): ``disable_rht``;
+    * gradients are rounded stochastically: ``disable_stochastic_rounding``.
+
+    The randomness comes from an explicit ``seed`` argument of the ops (no global RNG).
+
+    Example:
+        >>> r = NVFP4BlockScaling()
+        >>> r.block_shape("weight"), r.block_shape("input"), r.max("input")
+        ((16, 16), (1, 16), 6.0)
+        >>> r.uses_seed, NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True).uses_seed
+        (True, False)
+    """
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    fp8_format = Format.E4M3  # the block scales' format
+    block_size = 16
+
+    def __post_init__(self):
+        for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
+            if not isinstance(getattr(self, name), bool):
+                raise RecipeError(f"functe.NVFP4BlockScaling: {name} must be a bool, got {getattr(self, name)!r}")
+
+    def dtype(self, role: str) -> torch.dtype:
+        """``torch.float4_e2m1fn_x2`` (two E2M1 values per byte) for every role."""
+        Format.E4M3.dtype(role)  # validates the role
+        return torch.float4_e2m1fn_x2
+
+    def max(self, role: str) -> float:
+        """6.0, the largest E2M1 magnitude."""
+        self.dtype(role)
+        return E2M1_MAX
+
+    def block_shape(self, role: str) -> tuple[int, int]:
+        """``(rows, cols)`` of one scaling block: 16x16 for weights (unless disabled), else 1x16."""
+        self.dtype(role)
+        return (16, 16) if role == "weight" and not self.disable_2d_quantization else (1, 16)
+
+    @property
+    def uses_seed(self) -> bool:
+        """Whether the quantized linear needs a ``seed`` (RHT or stochastic rounding enabled)."""
+        return not (self.disable_rht and self.disable_stochastic_rounding)
+
+
+BLOCK_RECIPES = (Float8BlockScaling, NVFP4BlockScaling)
+
+Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling | Float8BlockScaling | NVFP4BlockScaling
+RECIPES = (DelayedScaling, CurrentScaling, MXFP8BlockScaling, *BLOCK_RECIPES)
 
 
 def check_recipe(op: str, recipe: object) -> Recipe:

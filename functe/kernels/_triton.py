@@ -42,7 +42,22 @@ class _SwitchableJIT(JITFunction):
     def __call__(self, *args, **kwargs):
         # Only reached as a device-function call from an interpreted kernel:
         # compiled kernels inline helpers without calling them from Python.
-        return self._interpreted()(*args, **kwargs)
+        # Triton's InterpretedFunction.__call__ patches the language builtins of
+        # the callee's modules and never restores them; a Triton library helper
+        # (tl.max, tl.zeros_like) patches triton.language.core, which the
+        # kernel's own patch scope does not cover, so a compiled kernel built
+        # later in the process would see interpreter builtins. Run the call in
+        # a patch scope of our own, restored afterwards.
+        from triton.runtime.interpreter import InterpreterError, _patch_lang
+
+        interpreted = self._interpreted()
+        scope = _patch_lang(interpreted.fn)
+        try:
+            return interpreted.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()
 
 
 def _quiet(launch):

@@ -120,6 +120,22 @@ def tile_amax(v, mask):
     return tl.max(a, axis=0), tl.max(isnan.to(tl.int32), axis=0)
 
 
+@jit
+def act_forward(
+    X, x, offs, mask, n_cols, limit, alpha, offset, ACT: tl.constexpr, GATED: tl.constexpr, CLAMPED: tl.constexpr
+):
+    """``act(x)`` for ``x`` loaded from ``X + offs`` (fp32); gated acts read their linear half ``n_cols`` further."""
+    if GATED:
+        b = tl.load(X + offs + n_cols, mask=mask, other=0.0).to(tl.float32)
+        if CLAMPED:
+            v = _act.clamped_swiglu_fwd(x, b, limit, alpha, offset)
+        else:
+            v = _act.act_fwd(x, ACT) * b
+    else:
+        v = _act.act_fwd(x, ACT)
+    return v
+
+
 # ----------------------------------------------------------------------------- per-tensor kernel
 
 
@@ -174,14 +190,7 @@ def _quantize_kernel(
         if MODE == 0:
             v = x
         elif MODE == 1:
-            if GATED:
-                b = tl.load(X + x_offs + n_cols, mask=mask, other=0.0).to(tl.float32)
-                if CLAMPED:
-                    v = _act.clamped_swiglu_fwd(x, b, limit, alpha, offset)
-                else:
-                    v = _act.act_fwd(x, ACT) * b
-            else:
-                v = _act.act_fwd(x, ACT)
+            v = act_forward(X, x, x_offs, mask, n_cols, limit, alpha, offset, ACT, GATED, CLAMPED)
         else:
             dy = tl.load(DY + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             v = dy * _act.act_grad(x, ACT)

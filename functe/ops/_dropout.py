@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import check_tensor, dtype_error, shape_error
+from .._errors import check_tensor
+from .._seed import seed_tensor
 from .._vjp import custom_vjp
 from ..kernels.dropout import DROPOUT
 
@@ -30,20 +31,6 @@ def _dropout_bwd(seed, dy, *, p):
 
 
 _dropout = custom_vjp("dropout", _dropout_fwd, _dropout_bwd)
-
-
-def _seed_tensor(seed, x: Tensor) -> Tensor:
-    if isinstance(seed, bool) or not isinstance(seed, (int, Tensor)):
-        raise TypeError(f"functe.dropout: argument 'seed' expected a Python int or an int64 tensor, got {seed!r}")
-    if isinstance(seed, int):
-        if not -(2**63) <= seed < 2**63:
-            raise ValueError(f"functe.dropout: argument 'seed' expected a 64-bit signed integer, got {seed}")
-        return torch.tensor(seed, dtype=torch.int64, device=x.device)
-    if seed.dtype != torch.int64:
-        raise dtype_error("dropout", "seed", "an i64[] tensor", seed)
-    if seed.dim() != 0:
-        raise shape_error("dropout", "seed", "an i64[] tensor (one seed; vmap gives each member its own)", seed)
-    return seed if seed.device == x.device else seed.to(x.device)
 
 
 def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
@@ -75,7 +62,7 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
     check_tensor("dropout", "x", x)
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ValueError(f"functe.dropout: argument 'p' expected a Python number in [0, 1), got {p!r}")
-    seed = _seed_tensor(seed, x)
+    seed = seed_tensor(seed, x, "dropout")
     if p == 0:
         return x
     return _dropout(x, seed, p=float(p))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._errors import check_same_device, check_same_dtype, check_tensor, describe_shape, shape_error
+from .._errors import FuncteError, check_same_device, check_same_dtype, check_tensor, describe_shape, shape_error
 from .._fp8_gemm import compute_dtype, gemm_nt, native_ok
 from .._fp8_state import LinearScalingState, as_cotangent, check_linear_state, delayed_scaling_update
 from .._parallel import (
@@ -36,10 +36,11 @@ from .._parallel import (
     reduce_output,
 )
 from .._quantize import QUANTIZABLE, cast, cast_dbias
-from .._recipe import DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
+from .._recipe import BLOCK_RECIPES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .._vjp import custom_vjp
 from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST
+from ._block_linear import block_linear
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -220,6 +221,7 @@ def fp8_linear(
     sequence_parallel: bool = False,
     group: ProcessGroup | None = None,
     amax_group: ProcessGroup | None = None,
+    seed=None,
 ) -> Tensor:
     """``y = x @ weight.T + bias`` with FP8 operands (TransformerEngine's quantized linear).
 
@@ -234,13 +236,18 @@ def fp8_linear(
         state: the :class:`functe.LinearScalingState` under :class:`functe.DelayedScaling`, passed
             *directly* (no op in between: its cotangent is its next value); ``None`` for the
             stateless :class:`functe.CurrentScaling` and :class:`functe.MXFP8BlockScaling`.
-        recipe: the quantization recipe (keyword-only, static).
+        recipe: the quantization recipe (keyword-only, static). The block recipes
+            :class:`functe.Float8BlockScaling` and :class:`functe.NVFP4BlockScaling` run in
+            :mod:`functe.ops._block_linear` (``docs/block_scaling.md``; no tensor parallelism yet).
         tensor_parallel_mode, sequence_parallel, group: tensor parallelism as in
             :func:`functe.ops.linear`.
         amax_group: the ``ProcessGroup`` over which amaxes are MAX-reduced under delayed
             scaling, so that states stay identical across its ranks (default: the
             tensor-parallel group; pass the data-parallel or the world group to include data
             parallelism, as TE's ``fp8_group``).
+        seed: NVFP4 only (ignored by the deterministic recipes): a Python int or ``i64[]`` tensor,
+            the random bits of the Hadamard transform and stochastic rounding. Pass a new seed
+            each step; required unless the recipe disables both.
 
     Returns:
         ``[..., out_features]`` in ``x``'s dtype. The next state comes back through the gradient:
@@ -276,6 +283,13 @@ def fp8_linear(
     stateful = isinstance(recipe, DelayedScaling)  # amaxes are reduced to keep states identical
     mode, sp = tensor_parallel_mode, sequence_parallel
     parallel = linear_parallelism("fp8_linear", x, mode, sp, group, amax_group, fp8=stateful)
+    if isinstance(recipe, BLOCK_RECIPES):
+        if parallel is not None:
+            raise FuncteError(
+                f"functe.fp8_linear: tensor parallelism is not implemented for {type(recipe).__name__} "
+                "(docs/block_scaling.md); use it without tensor_parallel_mode"
+            )
+        return block_linear(x, weight, bias, recipe=recipe, seed=seed)
     if parallel is None:
         return _fp8_linear(x, weight, bias, state, recipe=recipe)
     return _fp8_linear(x, weight, bias, state, recipe=recipe, parallel=parallel)

@@ -1,0 +1,185 @@
+"""Block-scaled quantization at the recipe level: FP8 block scaling and NVFP4.
+
+The casts used inside quantized ops have the shape of the per-tensor ones in
+:mod:`functe._quantize` (``cast(x, recipe, role, scale, out_dtype)`` and
+``cast_act(x, act, recipe, role, scale, out_dtype, *, limit, alpha, offset)``, each returning
+``(q, scale, amax)``), so an op or a fusion rule handles every recipe alike:
+
+* ``q`` is the GEMM operand in ``out_dtype`` (bf16 or fp32): the *dequantized* block values
+  (FP8 block scaling: ``fp8 · scale_inv``; NVFP4: ``e2m1 · e4m3 block scale``), exact in that
+  dtype wherever the recipe allows (see :func:`operand_dtype`);
+* ``scale`` is what remains per tensor: ``None`` for FP8 block scaling, NVFP4's global encode
+  scale (the GEMM multiplies its result by ``1 / scale``, as the tensor cores' alpha does);
+* ``amax`` is the tensor's ``max|v|`` where the recipe measures it (NVFP4), else ``None``.
+
+Block recipes are stateless: ``scale`` (the argument) must be ``None``. The role picks the
+layout: ``"weight"`` gets 2-D blocks (128x128, NVFP4 16x16 unless disabled; ``x`` must be a
+matrix), other roles 1-D blocks along the last dim; NVFP4 rounds ``"grad_output"``
+stochastically unless disabled, with the bits of ``seed``. The wgrad copies (blocks along the
+token dim, NVFP4's random Hadamard transform) are built by :func:`wgrad_operand`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._errors import FuncteError, ShapeError, describe
+from ._recipe import Float8BlockScaling, NVFP4BlockScaling
+from .kernels.block_quantize import FP8_BLOCK_CAST, FP8_BLOCK_CAST_2D, FP8_BLOCK_DEQUANTIZE
+from .kernels.hadamard import RHT16, RHT_SIZE
+from .kernels.nvfp4 import NVFP4_CAST, NVFP4_DEQUANTIZE, global_scales_ref
+from .kernels.quantize import ACT_OUTPUT_CAST_AMAX, CAST_AMAX
+
+Tensor = torch.Tensor
+
+BlockRecipe = Float8BlockScaling | NVFP4BlockScaling
+
+# Streams of one linear's seed: each random draw gets its own key (seed ^ stream).
+RHT_STREAM, SR_DGRAD_STREAM, SR_WGRAD_STREAM = 0x5248_5400, 0x5352_0001, 0x5352_0002
+
+_NO_ACT = ("", (0.0, 0.0, 0.0))
+
+
+def operand_dtype(recipe: BlockRecipe, dtype: torch.dtype) -> torch.dtype:
+    """The emulated GEMM's operand dtype: bf16 for bf16 outputs where the dequantized values are
+    exact in bf16 (NVFP4's ``e2m1 · e4m3``; FP8 values times power-of-two scales), else fp32."""
+    if dtype == torch.bfloat16 and (isinstance(recipe, NVFP4BlockScaling) or recipe.power_2_scales):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _zero_seed(like: Tensor) -> Tensor:
+    return torch.zeros((), dtype=torch.int64, device=like.device)
+
+
+def _stochastic(recipe: BlockRecipe, role: str) -> bool:
+    return isinstance(recipe, NVFP4BlockScaling) and role == "grad_output" and not recipe.disable_stochastic_rounding
+
+
+def _quantize(x, act, params, recipe, role, out_dtype, seed, op="cast_block"):
+    """(q, scale, amax, block scales) of ``v = act(x)`` for ``role`` (the one place a recipe picks its kernels)."""
+    rows, _ = recipe.block_shape(role)
+    if isinstance(recipe, Float8BlockScaling):
+        qdtype, pow2, eps = recipe.dtype(role), recipe.power_2_scales, float(recipe.amax_epsilon)
+        if rows > 1:
+            q, block_scales = FP8_BLOCK_CAST_2D(x, qdtype, out_dtype, pow2, eps)
+        else:
+            q, block_scales = FP8_BLOCK_CAST(x, act, *params, qdtype, out_dtype, pow2, eps)
+        return q, None, None, block_scales
+    # NVFP4: the tensor's amax first (the activation recomputed, not stored), then the cast.
+    one, fp8 = torch.ones((), device=x.device), torch.float8_e4m3fn
+    if act:  # the amax of the activation's value rounded to x's dtype, as the cast kernel sees it
+        _, amax = ACT_OUTPUT_CAST_AMAX(x, one, act, *params, fp8, fp8, False)
+    else:
+        _, amax = CAST_AMAX(x, one, fp8, fp8, False)
+    stochastic = _stochastic(recipe, role)
+    if stochastic and seed is None:
+        raise FuncteError(
+            f"functe.{op}: argument 'seed' expected a Python int or an int64 tensor: NVFP4BlockScaling rounds "
+            "gradients stochastically and needs a seed (or disable_stochastic_rounding=True), got None"
+        )
+    seed = _zero_seed(x) if seed is None else seed
+    q, block_scales = NVFP4_CAST(x, amax, seed, act, *params, rows, stochastic, out_dtype)
+    return q, global_scales_ref(amax)[0], amax, block_scales
+
+
+def _check(x: Tensor, recipe: BlockRecipe, role: str, scale, op: str) -> None:
+    if scale is not None:
+        raise FuncteError(f"functe.{op}: {type(recipe).__name__} is stateless; argument 'scale' must be None")
+    if x.dim() < 1:
+        raise ShapeError(f"functe.{op}: argument 'x' expected rank >= 1 (blocks along the last dim), got {describe(x)}")
+    if recipe.block_shape(role)[0] > 1 and x.dim() != 2:
+        raise ShapeError(
+            f"functe.{op}: argument 'x' expected a matrix for role {role!r} (2-D blocks), got {describe(x)}"
+        )
+
+
+def cast_block(x: Tensor, recipe: BlockRecipe, role: str, scale: None, out_dtype: torch.dtype, *, seed=None):
+    """``x`` quantized for ``role`` as a GEMM operand: ``(q, scale, amax)`` (see the module docstring)."""
+    _check(x, recipe, role, scale, "cast_block")
+    q, s, amax, _ = _quantize(x, *_NO_ACT, recipe, role, out_dtype, seed)
+    return q, s, amax
+
+
+def cast_act_block(
+    x: Tensor,
+    act: str,
+    recipe: BlockRecipe,
+    role: str,
+    scale: None,
+    out_dtype: torch.dtype,
+    *,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    offset: float = 1.0,
+):
+    """``act(x)`` quantized for ``role`` in the activation's own kernels: ``(q, scale, amax)``.
+
+    FP8 block scaling: one kernel (activation, 1x128 block amax, scale, cast). NVFP4: the
+    activation's amax pass, then one kernel for the activation, block scales and cast. ``act`` is
+    any elementwise or gated activation of :mod:`functe.kernels._act`, or ``"clamped_swiglu"``.
+    Activations feed a GEMM as its input, so ``role`` must not be ``"weight"``.
+    """
+    _check(x, recipe, role, scale, "cast_act_block")
+    if recipe.block_shape(role)[0] > 1:
+        raise FuncteError(f"functe.cast_act_block: role {role!r} uses 2-D blocks; activations are 1-D blocked inputs")
+    q, s, amax, _ = _quantize(x, act, (limit, alpha, offset), recipe, role, out_dtype, None)
+    return q, s, amax
+
+
+def wgrad_operand(t2: Tensor, recipe: BlockRecipe, role: str, out_dtype: torch.dtype, seed: Tensor | None):
+    """The wgrad ("columnwise") operand of a ``[M, C]`` matrix: ``t2ᵀ`` quantized along M, ``(q, scale)``.
+
+    NVFP4 with the random Hadamard transform zero-pads M to a multiple of 16 and multiplies every 16
+    values along M by ``Q`` (the same ``Q`` for both wgrad operands, so ``Q Qᵀ = I`` cancels in
+    ``dW = dyᵀ x``); gradients are rounded stochastically (their own stream of ``seed``).
+    """
+    t = t2.t()
+    if isinstance(recipe, NVFP4BlockScaling) and not recipe.disable_rht:
+        pad = (-t.shape[1]) % RHT_SIZE
+        if pad:
+            t = torch.nn.functional.pad(t, (0, pad))
+        t = RHT16(t, seed ^ RHT_STREAM, False, torch.float32)
+    sr_seed = seed ^ SR_WGRAD_STREAM if _stochastic(recipe, role) else None
+    q, scale, _, _ = _quantize(t, *_NO_ACT, recipe, role, out_dtype, sr_seed)
+    return q, scale
+
+
+# ----------------------------------------------------------------------------- public conversions
+
+
+def quantize_block(x: Tensor, recipe: BlockRecipe, role: str, seed: Tensor | None):
+    """``(data, scale_inv, block_scales)`` for :func:`functe.quantize` under a block recipe.
+
+    FP8 block scaling: float8 data, ``None``, fp32 ``scale_inv`` per block. NVFP4: packed E2M1
+    codes (``u8[..., K/2]``), the global decode scale ``f32[]`` and the E4M3 block scales.
+    """
+    _check(x, recipe, role, None, "quantize")
+    if isinstance(recipe, Float8BlockScaling):
+        data, _, _, block_scales = _quantize(x, *_NO_ACT, recipe, role, recipe.dtype(role), None)
+        return data, None, block_scales
+    if x.shape[-1] % 2:
+        raise ShapeError(
+            "functe.quantize: argument 'x' expected an even last dim for NVFP4 (two values per byte), "
+            f"got {describe(x)}"
+        )
+    data, encode, _, block_scales = _quantize(x, *_NO_ACT, recipe, role, torch.uint8, seed, "quantize")
+    return data, torch.ones_like(encode) / encode, block_scales
+
+
+def _block_rows(data_shape: torch.Size, block_scales: Tensor, block: int) -> int:
+    """1 for 1-D block scales ``[..., ceil(K/b)]``, ``block`` for 2-D ones ``[ceil(M/b), ceil(K/b)]``.
+
+    The layouts differ in their leading size except for one-row matrices, where they mean the same.
+    """
+    two_d = len(data_shape) == 2 and block_scales.shape[0] != data_shape[0]
+    return block if two_d else 1
+
+
+def dequantize_block(data: Tensor, scale_inv: Tensor | None, block_scales: Tensor) -> Tensor:
+    """The fp32 values of block-quantized data (FP8 block scaling or NVFP4, told apart by the scales' dtype)."""
+    if block_scales.dtype == torch.float8_e4m3fn:
+        rows = _block_rows(data.shape, block_scales, 16)
+        return NVFP4_DEQUANTIZE(data, block_scales, scale_inv, rows, torch.float32)
+    rows = _block_rows(data.shape, block_scales, 128)
+    return FP8_BLOCK_DEQUANTIZE(data, block_scales, rows, torch.float32)

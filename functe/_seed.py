@@ -1,0 +1,36 @@
+"""Explicit randomness: the seed arguments of ops (JAX style, no global RNG).
+
+A seed travels as a positional ``i64[]`` tensor, not a static keyword: a static value would be
+baked into a fused or compiled program and force a retrace whenever it changes (every step).
+Kernels read it from memory (no host synchronisation) and derive their random bits from it with
+the counter-based hash of :mod:`functe.kernels.dropout`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._errors import dtype_error, shape_error
+
+Tensor = torch.Tensor
+
+
+def seed_tensor(seed, like: Tensor, op: str) -> Tensor:
+    """``seed`` (a Python int or an ``i64[]`` tensor) as an ``i64[]`` tensor on ``like``'s device.
+
+    Example:
+        >>> import torch
+        >>> seed_tensor(7, torch.zeros(2), "dropout")
+        tensor(7)
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, Tensor)):
+        raise TypeError(f"functe.{op}: argument 'seed' expected a Python int or an int64 tensor, got {seed!r}")
+    if isinstance(seed, int):
+        if not -(2**63) <= seed < 2**63:
+            raise ValueError(f"functe.{op}: argument 'seed' expected a 64-bit signed integer, got {seed}")
+        return torch.tensor(seed, dtype=torch.int64, device=like.device)
+    if seed.dtype != torch.int64:
+        raise dtype_error(op, "seed", "an i64[] tensor", seed)
+    if seed.dim() != 0:
+        raise shape_error(op, "seed", "an i64[] tensor (one seed; vmap gives each member its own)", seed)
+    return seed if seed.device == like.device else seed.to(like.device)

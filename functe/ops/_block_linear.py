@@ -1,0 +1,88 @@
+"""The quantized linear under the block recipes (FP8 block scaling, NVFP4), TransformerEngine's way.
+
+``functe.ops.fp8_linear`` dispatches here for :class:`functe.Float8BlockScaling` and
+:class:`functe.NVFP4BlockScaling`. As in TE, every GEMM operand is quantized along that GEMM's
+reduction dimension, each copy from the high-precision tensor:
+
+==========  ======================  ==========================  ==============================
+GEMM        operands                FP8 block scaling           NVFP4
+==========  ======================  ==========================  ==============================
+fprop       x, W                    x 1x128, W 128x128          x 1x16, W 16x16
+dgrad       dy, W (transposed)      dy 1x128, the same W_q      dy 1x16 (stochastic rounding);
+                                    (2-D blocks: W_qᵀ = (Wᵀ)_q)  the same W_q (1x16 W: Wᵀ again)
+wgrad       dyᵀ, xᵀ (along tokens)  1x128 along M               RHT along M, then 1x16
+                                                                (dyᵀ: stochastic rounding)
+==========  ======================  ==========================  ==============================
+
+The GEMMs are emulated exactly through dequantized operands (:func:`functe._fp8_gemm.gemm_nt`
+with fp32 accumulation; the values are exact in the operand dtype, see
+:func:`functe._block_quantize.operand_dtype`); NVFP4's per-tensor decode scales multiply the
+GEMM's result, as the tensor cores' alpha does. The randomness (RHT signs, stochastic rounding)
+comes from the ``seed`` argument, one independent stream per use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._block_quantize import SR_DGRAD_STREAM, BlockRecipe, cast_block, operand_dtype, wgrad_operand
+from .._fp8_gemm import gemm_nt
+from .._recipe import NVFP4BlockScaling
+from .._seed import seed_tensor
+from .._vjp import custom_vjp
+from ..kernels.elementwise import BIAS_GRAD
+
+Tensor = torch.Tensor
+
+
+def _inv(scale: Tensor | None) -> Tensor | None:
+    return None if scale is None else torch.ones_like(scale) / scale
+
+
+def _fwd(x, weight, bias, seed, *, recipe):
+    x2 = x.reshape(-1, x.shape[-1])
+    dtype = operand_dtype(recipe, x.dtype)
+    xq, sx, _ = cast_block(x2, recipe, "input", None, dtype)
+    wq, sw, _ = cast_block(weight, recipe, "weight", None, dtype)
+    y = gemm_nt(xq, _inv(sx), wq, _inv(sw), out_dtype=x.dtype, bias=bias)
+    # 2-D weight blocks are the same for W and Wᵀ: dgrad reuses W_q (an intermediate residual, so
+    # second derivatives raise, as for every quantized linear).
+    residuals = (x, weight, wq, _inv(sw), seed, bias is not None)
+    return y.reshape(*x.shape[:-1], weight.shape[0]), residuals
+
+
+def _bwd(res, dy, *, recipe):
+    x, weight, wq, sinv_w, seed, has_bias = res
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    dtype = operand_dtype(recipe, x.dtype)
+    sr_seed = None if seed is None else seed ^ SR_DGRAD_STREAM
+    dyq, sdy, _ = cast_block(dy2, recipe, "grad_output", None, dtype, seed=sr_seed)
+    if recipe.block_shape("weight")[0] > 1:
+        wt, sinv_wt = wq.t(), sinv_w
+    else:  # 1-D weight blocks run along K: dgrad needs Wᵀ quantized along N
+        wt, swt, _ = cast_block(weight.t(), recipe, "weight", None, dtype)
+        sinv_wt = _inv(swt)
+    dx = gemm_nt(dyq, _inv(sdy), wt, sinv_wt, out_dtype=x.dtype)
+    dyt, sdyt = wgrad_operand(dy2, recipe, "grad_output", dtype, seed)
+    xt, sxt = wgrad_operand(x2, recipe, "input", dtype, seed)
+    dw = gemm_nt(dyt, _inv(sdyt), xt, _inv(sxt), out_dtype=x.dtype)
+    dbias = BIAS_GRAD(dy2) if has_bias else None
+    return dx.reshape(x.shape), dw, dbias, None
+
+
+_block_linear = custom_vjp("block_linear", _fwd, _bwd)
+
+
+def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, recipe: BlockRecipe, seed) -> Tensor:
+    """The block-scaled quantized linear (arguments already validated by ``fp8_linear``, except the seed)."""
+    if isinstance(recipe, NVFP4BlockScaling) and recipe.uses_seed:
+        if seed is None:
+            raise TypeError(
+                "functe.fp8_linear: argument 'seed' expected a Python int or an int64 tensor: NVFP4BlockScaling draws "
+                "random bits (random Hadamard transform, stochastic rounding); pass a new seed each step, or disable "
+                "both in the recipe"
+            )
+        seed = seed_tensor(seed, x, "fp8_linear")
+    else:
+        seed = None  # deterministic recipe: nothing to draw
+    return _block_linear(x, weight, bias, seed, recipe=recipe)
