@@ -169,19 +169,21 @@ def cast_norm(
     scale: Tensor | None,
     out_dtype: torch.dtype,
 ):
-    """``norm(x)`` quantized in the norm's own kernel (q-in): ``(q, scale used, amax)``.
+    """``norm(x)`` quantized in the norm's own kernel (q-in): ``(q, scale used, amax, stats)``.
 
     ``kind`` is ``"layer"`` (LayerNorm, ``bias`` = β) or ``"rms"`` (RMSNorm, ``bias`` None). Equals
-    ``cast(norm(x), ...)`` bit for bit. Delayed scaling: one pass; current scaling: the kernel runs
-    twice (amax, then cast), recomputing the norm instead of storing it (see
-    :mod:`functe.kernels.norm_quantize`).
+    ``cast(norm(x), ...)`` bit for bit. ``stats`` is LayerNorm's ``(mean, rstd)`` (shape
+    ``x.shape[:-1]``, the bits the unfused LayerNorm returns; its backward takes them) and ``()``
+    for RMSNorm. Delayed scaling: one pass; current scaling: the kernel runs twice (amax, then
+    cast), recomputing the norm instead of storing it (see :mod:`functe.kernels.norm_quantize`).
     """
     qdtype = recipe.dtype(role)
 
     def run(s, write):
         return NORM_CAST_AMAX(x, weight, bias, s, eps, kind, zero_centered_gamma, qdtype, out_dtype, write)
 
-    return _delayed_or_current(run, recipe, role, scale, x.device)
+    q, mean, rstd, scale, amax = _delayed_or_current(run, recipe, role, scale, x.device)
+    return q, scale, amax, ((mean, rstd) if kind == "layer" else ())
 
 
 def cast_act_output(

@@ -42,7 +42,17 @@ def _norm_args(kind, shape, dtype, *, zero_centered=False):
 
 
 def _unfused_norm(kind, x, w, b, eps, zc):
-    return nk.LAYER_NORM(x, w, b, eps, zc) if kind == "layer" else nk.RMS_NORM(x, w, eps, zc)
+    """``(y, stats)``: LayerNorm's ``(mean, rstd)`` or RMSNorm's ``()``."""
+    if kind == "layer":
+        y, mean, rstd = nk.LAYER_NORM(x, w, b, eps, zc)
+        return y, (mean, rstd)
+    return nk.RMS_NORM(x, w, eps, zc), ()
+
+
+def _stats64(x64, eps=1e-5):
+    """LayerNorm's (mean, rstd) in float64."""
+    mean = x64.mean(-1)
+    return mean, torch.rsqrt(((x64 - mean[..., None]) ** 2).mean(-1) + eps)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -56,12 +66,17 @@ def test_norm_cast_equals_norm_then_cast_bit_for_bit(backend, kind, dtype):
                 x, w, b, _ = _norm_args(kind, shape, dtype)
                 scale = torch.tensor(5.0)
                 with functe.use_backend(backend):
-                    y = _unfused_norm(kind, x, w, b, 1e-5, zc)
+                    y, stats1 = _unfused_norm(kind, x, w, b, 1e-5, zc)
                     q1, s1, a1 = cast(y.reshape(-1, y.shape[-1]), recipe, "input", scale, E4M3)
-                    q2, s2, a2 = cast_norm(x.reshape(-1, shape[-1]), w, b, kind, 1e-5, zc, recipe, "input", scale, E4M3)
+                    q2, s2, a2, stats2 = cast_norm(
+                        x.reshape(-1, shape[-1]), w, b, kind, 1e-5, zc, recipe, "input", scale, E4M3
+                    )
                 what = f"{kind} {shape} {type(recipe).__name__} zc={zc}"
                 assert _bits_equal(q1, q2), what
                 assert torch.equal(a1, a2) and torch.equal(s1, s2), what
+                assert len(stats1) == len(stats2) == (2 if kind == "layer" else 0), what
+                for u, f in zip(stats1, stats2):  # LayerNorm's statistics: the unfused kernel's bits
+                    assert _bits_equal(u.reshape(-1), f), what
 
 
 @pytest.mark.parametrize("qdtype", FP8, ids=["e4m3", "e5m2"])
@@ -71,11 +86,19 @@ def test_norm_cast_against_float64_and_twin(kind, qdtype):
     scale = torch.tensor(40.0)
     args = (x, w, b, scale, 1e-5, kind, True, qdtype)
     with functe.use_backend("interpret"):
-        q, amax = nq.norm_cast_amax(*args, qdtype, True)
-        q_wide, amax_only = nq.norm_cast_amax(*args, torch.bfloat16, True)
-        empty, amax_nowrite = nq.norm_cast_amax(*args, qdtype, False)
-    q_twin, amax_twin = nq.norm_cast_amax_ref(*args, qdtype, True)
+        q, mean, rstd, amax = nq.norm_cast_amax(*args, qdtype, True)
+        q_wide, _, _, amax_only = nq.norm_cast_amax(*args, torch.bfloat16, True)
+        empty, mean_nowrite, _, amax_nowrite = nq.norm_cast_amax(*args, qdtype, False)
+    q_twin, mean_twin, rstd_twin, amax_twin = nq.norm_cast_amax_ref(*args, qdtype, True)
     x64, w64 = x.double(), w.double()
+    if kind == "layer":
+        for got in ((mean, rstd), (mean_twin, rstd_twin)):
+            for g, e in zip(got, _stats64(x64)):
+                assert g.dtype == torch.float32 and g.shape == (21,)
+                assert_close(g, e)
+        assert torch.equal(mean_nowrite, mean)
+    else:
+        assert mean.shape == rstd.shape == mean_twin.shape == (0,)
     y64 = ln_ref(x64, w64, b.double(), 1e-5, True) if kind == "layer" else rms_ref(x64, w64, 1e-5, True)
     # The reference quantizes the float64 norm rounded to bf16 (what the unfused norm stores).
     y_stored = y64.to(torch.bfloat16)
@@ -95,14 +118,18 @@ def test_norm_cast_special_values_and_layouts():
     strided = make((12, 16)).t()  # non-contiguous input, rows of 12
     for backend in BACKENDS:
         with functe.use_backend(backend):
-            q, amax = nq.NORM_CAST_AMAX(x, w, b, one, 1e-5, "layer", False, E4M3, E4M3, True)
+            q, mean, rstd, amax = nq.NORM_CAST_AMAX(x, w, b, one, 1e-5, "layer", False, E4M3, E4M3, True)
             assert amax.isnan() and q[1].float().isnan().all() and not q[0].float().isnan().any()
-            q2, a2 = nq.NORM_CAST_AMAX(strided, w[:12], None, one, 1e-5, "rms", False, E5M2, E5M2, True)
-            q3, a3 = nq.NORM_CAST_AMAX(strided.contiguous(), w[:12], None, one, 1e-5, "rms", False, E5M2, E5M2, True)
+            assert mean[1].isnan() and rstd[1].isnan() and not (mean[0].isnan() or rstd[0].isnan())
+            q2, _, _, a2 = nq.NORM_CAST_AMAX(strided, w[:12], None, one, 1e-5, "rms", False, E5M2, E5M2, True)
+            q3, _, _, a3 = nq.NORM_CAST_AMAX(
+                strided.contiguous(), w[:12], None, one, 1e-5, "rms", False, E5M2, E5M2, True
+            )
             assert _bits_equal(q2, q3) and torch.equal(a2, a3)
         big = torch.full((2, 8), 1e4)  # a constant row normalises to 0 (then β): amax = max|β|
-        _, a4 = nq.NORM_CAST_AMAX(big, w[:8], b[:8], one, 1e-5, "layer", False, E4M3, E4M3, True)
+        _, mean, rstd, a4 = nq.NORM_CAST_AMAX(big, w[:8], b[:8], one, 1e-5, "layer", False, E4M3, E4M3, True)
         assert a4.item() == pytest.approx(b[:8].abs().max().item())
+        assert mean.tolist() == [1e4, 1e4] and rstd.tolist() == pytest.approx([1e-5**-0.5] * 2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -142,6 +169,15 @@ def test_dact_dbias_against_float64(act, dtype):
         check_kernel(qk.DACT_DBIAS, (dy, x, act), reference)
 
 
+def _norm_bwd_args(kind, dy, x, w, accum, zc):
+    """Arguments of the norm backward kernels (LayerNorm's take the forward's statistics, here the
+    twin's whatever the backend, and no eps)."""
+    if kind == "layer":
+        _, mean, rstd = nk.layer_norm_ref(x, w, w, 1e-5, zc)
+        return (dy, x, mean, rstd, w, *accum, zc)
+    return (dy, x, w, *accum, 1e-5, zc)
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
 def test_norm_backward_with_an_added_residual_gradient(kind, dtype):
@@ -151,19 +187,21 @@ def test_norm_backward_with_an_added_residual_gradient(kind, dtype):
         x, dy, acc = make(shape, dtype), make(shape, dtype), make(shape, dtype)
         w = make(shape[-1:], dtype)
 
-        def reference(dy, x, w, acc, eps, zc):
+        def reference(dy, x, *rest):
+            # (LayerNorm's statistics among the arguments are those of x: the formula recomputes them)
+            w, acc, zc = (rest[2], rest[3], rest[4]) if kind == "layer" else (rest[0], rest[1], rest[3])
             xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
             if kind == "layer":
                 br = torch.zeros_like(w).requires_grad_()
-                grads = torch.autograd.grad(ln_ref(xr, wr, br, eps, zc), (xr, wr, br), dy)
+                grads = torch.autograd.grad(ln_ref(xr, wr, br, 1e-5, zc), (xr, wr, br), dy)
             else:
-                grads = torch.autograd.grad(rms_ref(xr, wr, eps, zc), (xr, wr), dy)
+                grads = torch.autograd.grad(rms_ref(xr, wr, 1e-5, zc), (xr, wr), dy)
             return (grads[0] + acc, *grads[1:])
 
         for zc in (False, True):
-            out = check_kernel(kernel, (dy, x, w, acc, 1e-5, zc), reference)
+            out = check_kernel(kernel, _norm_bwd_args(kind, dy, x, w, (acc,), zc), reference)
             with functe.use_backend("interpret"):
-                unfused = plain(dy, x, w, 1e-5, zc)
+                unfused = plain(*_norm_bwd_args(kind, dy, x, w, (), zc))
             if dtype != torch.bfloat16:  # (in bf16, rounding dx before the add can cancel: see float64 above)
                 assert_close(out[0], unfused[0] + acc)
             assert all(torch.equal(a, b) for a, b in zip(out[1:], unfused[1:]))  # dγ, dβ: the same kernel's
@@ -174,8 +212,9 @@ def test_norm_backward_with_an_added_residual_gradient(kind, dtype):
         make((300, 700), torch.bfloat16),
         make((700,), torch.bfloat16),
     )
-    fast = kernel.twin(dy, x, w, acc, 1e-5, False)
+    args = _norm_bwd_args(kind, dy, x, w, (acc,), False)
+    fast = kernel.twin(*args)
     with torch.enable_grad():
-        slow = kernel.twin(dy, x, w.requires_grad_(), acc, 1e-5, False)
+        slow = kernel.twin(*(a.detach().requires_grad_() if a is w else a for a in args))
     for f, s in zip(fast, slow):
         assert_close(f, s.detach())

@@ -136,12 +136,12 @@ def test_backward_add_norm_golden(kind):
     args = torch.zeros(4, 8), torch.zeros(8), torch.zeros(8)
     before, after, stats = _rewritten(lambda *a: add_norm(*a, kind=kind), "backward", *args)
     head = "{ lambda a:f32[4,8] b:f32[8] c:f32[8]. let\n"
-    norm = (
-        "layer_norm[eps=1e-05 zero_centered_gamma=False] d b c"
+    norm = (  # (LayerNorm's statistics are outputs of its op, unused here)
+        "f:f32[4,8] g:f32[4] h:f32[4] = layer_norm[eps=1e-05 zero_centered_gamma=False] d b c"
         if kind == "layer"
-        else "rms_norm[eps=1e-05 zero_centered_gamma=False] d b"
+        else "f:f32[4,8] = rms_norm[eps=1e-05 zero_centered_gamma=False] d b"
     )
-    assert before == head + f"    d:f32[4,8] e:f32[4,8] = make_extra_output a\n    f:f32[4,8] = {norm}\n  in (f, e) }}"
+    assert before == head + f"    d:f32[4,8] e:f32[4,8] = make_extra_output a\n    {norm}\n  in (f, e) }}"
     beta = "c" if kind == "layer" else "None"
     fused = f"backward_add_norm[eps=1e-05 kind='{kind}' zero_centered_gamma=False] a b {beta}"
     assert after == head + f"    d:f32[4,8] e:f32[4,8] = {fused}\n  in (e, d) }}"

@@ -120,10 +120,13 @@ def test_fast_path_matches_reference_path_across_many_chunks(dtype, monkeypatch)
     x, s = make((37, 24), dtype), make((37,), dtype)
     dy_g, dy = make((37, 12), dtype), make((37, 24), dtype)
     w = make((24,), dtype)
+    _, mean, rstd = nk.layer_norm_ref(x, w, w, 1e-5, False)
     cases = [
         (ak.DACTIVATION, (dy, x, "relu", 0, 0.0, 0.0, 0.0)),
         (ak.DACTIVATION, (dy, x, "srelu", 0, 0.0, 0.0, 0.0)),
-        (nk.LAYER_NORM_BWD, (dy, x, w, 1e-5, True)),
+        (nk.LAYER_NORM, (x, w, s[:24], 0.3, True)),
+        (nk.LAYER_NORM_BWD, (dy, x, mean, rstd, w, True)),
+        (nk.LAYER_NORM_BWD_ADD, (dy, x, mean, rstd, w, x, False)),
         (nk.RMS_NORM, (x, w, 0.3, False)),
         (nk.RMS_NORM_BWD, (dy, x, w, 0.3, True)),
         (nk.L2_NORMALIZE, (x, 1e-6)),
@@ -169,11 +172,14 @@ def test_weight_grads_do_not_depend_on_the_thread_count(monkeypatch):
     monkeypatch.setattr(_fast, "CHUNK_ELEMENTS", 256)
     x, dy, w = make((500, 16), torch.bfloat16), make((500, 16), torch.bfloat16), make((16,), torch.bfloat16)
     threads = torch.get_num_threads()
+    _, mean, rstd = nk.layer_norm_ref(x, w, w, 1e-5, False)
     results = []
     for n in (1, 2, 3):
         torch.set_num_threads(n)
         try:
-            results.append((nk.layer_norm_bwd_ref(dy, x, w, 1e-5, False), nk.rms_norm_bwd_ref(dy, x, w, 1e-5, False)))
+            results.append(
+                (nk.layer_norm_bwd_ref(dy, x, mean, rstd, w, False), nk.rms_norm_bwd_ref(dy, x, w, 1e-5, False))
+            )
         finally:
             torch.set_num_threads(threads)
     for other in results[1:]:

@@ -136,8 +136,9 @@ def test_weight_grads_are_deterministic_fp32_partial_sums():
     """Many rows: the backward kernel splits them over programs; dγ and dβ are reproducible."""
     x, w, dy = make((3000, 5), torch.bfloat16), make((5,), torch.bfloat16), make((3000, 5), torch.bfloat16)
     with functe.use_backend("interpret"):
-        first = norm_kernels.layer_norm_bwd(dy, x, w, 1e-5, False)
-        second = norm_kernels.layer_norm_bwd(dy, x, w, 1e-5, False)
+        _, mean, rstd = norm_kernels.layer_norm(x, w, w, 1e-5, False)
+        first = norm_kernels.layer_norm_bwd(dy, x, mean, rstd, w, False)
+        second = norm_kernels.layer_norm_bwd(dy, x, mean, rstd, w, False)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     dy64, x64 = dy.double(), x.double()

@@ -9,7 +9,8 @@ store), then records the per-program amax and, with ``write``, stores
 per-program amaxes are reduced afterwards (deterministic, no atomics).
 
 So ``norm_cast_amax(x, ...)`` equals ``cast_amax(norm(x), ...)`` bit for bit, on the Triton
-kernels and on the twins (whose twin *is* that composition).
+kernels and on the twins (whose twin *is* that composition). For LayerNorm it also returns the row
+statistics ``mean`` and ``rstd`` the unfused LayerNorm returns (the same bits): its backward takes them.
 
 Scaling recipes (:func:`functe._quantize.cast_norm`):
 
@@ -30,9 +31,9 @@ import triton
 import triton.language as tl
 
 from .._kernel import Kernel
-from ._common import as_rows, tl_compute_dtype
+from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import jit
-from .norm import _inv_n, _tiling, layer_norm_ref, norm_fwd_tile, rms_norm_ref
+from .norm import _inv_n, _tiling, layer_norm_ref, norm_fwd_tile, rms_norm_ref, store_stats
 from .quantize import _storage, cast_amax_ref, encode_fp8, fp8_constexprs, round_to_fp8, saturate, tile_amax
 
 Tensor = torch.Tensor
@@ -47,6 +48,8 @@ def _norm_cast_kernel(
     B,
     S,
     Q,
+    MEAN,
+    RSTD,
     AMAX,
     n_rows,
     n_cols,
@@ -67,9 +70,11 @@ def _norm_cast_kernel(
     COMPUTE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    y, offs, mask = norm_fwd_tile(
+    y, offs, mask, rows, mean, r = norm_fwd_tile(
         X, W, B, pid, n_rows, n_cols, inv_n, eps, CENTER, True, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE
     )
+    if CENTER:  # LayerNorm's statistics, as the unfused LayerNorm stores them
+        store_stats(MEAN, RSTD, rows, n_rows, mean, r)
     # What the unfused norm stores (x's dtype), then the quantizing kernel's fp32 arithmetic.
     v = tl.where(mask, y.to(X.dtype.element_ty).to(tl.float32), 0.0)
     col_max, col_nan = tile_amax(v, mask)
@@ -80,6 +85,12 @@ def _norm_cast_kernel(
         if BITS:
             q = encode_fp8(q, MANT, BIAS, MIN_NORMAL, SUB_STEPS)
         tl.store(Q + offs, q.to(Q.dtype.element_ty), mask=mask)
+
+
+def _stats(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+    """Uninitialised ``(mean, rstd)``: one value per row for LayerNorm (``x.shape[:-1]``), none for RMSNorm."""
+    mean = torch.empty(x.shape[:-1] if kind == "layer" else (0,), dtype=compute_dtype(x.dtype), device=x.device)
+    return mean, torch.empty_like(mean)
 
 
 def norm_cast_amax(
@@ -93,17 +104,21 @@ def norm_cast_amax(
     qdtype: torch.dtype,
     out_dtype: torch.dtype,
     write: bool,
-) -> tuple[Tensor, Tensor]:
-    """``(q, amax)`` of ``y = norm(x)`` (``kind`` ``"layer"``: LayerNorm with ``bias``; ``"rms"``: RMSNorm).
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(q, mean, rstd, amax)`` of ``y = norm(x)`` (``kind`` ``"layer"``: LayerNorm with ``bias``;
+    ``"rms"``: RMSNorm).
 
     ``amax = max|y|`` (f32[], NaN if y has a NaN) of y rounded to x's dtype; with ``write``,
-    ``q = fp8(clamp(y * scale, ±max))`` in ``out_dtype`` storage (else an empty tensor).
+    ``q = fp8(clamp(y * scale, ±max))`` in ``out_dtype`` storage (else an empty tensor). ``mean``
+    and ``rstd`` are LayerNorm's statistics (shape ``x.shape[:-1]``, as :func:`functe.kernels.norm.layer_norm`
+    returns them); empty for RMSNorm.
     """
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     q = torch.empty(x.shape if write else (0,), dtype=out_dtype, device=x.device)
+    mean, rstd = _stats(x, kind)
     if rows.numel() == 0:
-        return q, torch.zeros((), dtype=torch.float32, device=x.device)
+        return q, mean, rstd, torch.zeros((), dtype=torch.float32, device=x.device)
     block_r, block_n, warps = _tiling(n_rows, n_cols)  # the norm kernels' tiling: the same reductions
     programs = triton.cdiv(n_rows, block_r)
     partial = torch.empty(programs, dtype=torch.float32, device=x.device)
@@ -113,6 +128,8 @@ def norm_cast_amax(
         rows if bias is None else bias.contiguous(),
         scale.to(torch.float32).contiguous(),
         _storage(q) if write else partial,
+        mean,
+        rstd,
         partial,
         n_rows,
         n_cols,
@@ -128,7 +145,7 @@ def norm_cast_amax(
         COMPUTE=tl_compute_dtype(x.dtype),
         num_warps=warps,
     )
-    return q, partial.amax()
+    return q, mean, rstd, partial.amax()
 
 
 def norm_cast_amax_ref(
@@ -142,13 +159,14 @@ def norm_cast_amax_ref(
     qdtype: torch.dtype,
     out_dtype: torch.dtype,
     write: bool,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """PyTorch twin of :func:`norm_cast_amax`: the norm twin, then the cast twin."""
     if kind == "layer":
-        y = layer_norm_ref(x, weight, bias, eps, zero_centered_gamma)
+        y, mean, rstd = layer_norm_ref(x, weight, bias, eps, zero_centered_gamma)
     else:
-        y = rms_norm_ref(x, weight, eps, zero_centered_gamma)
-    return cast_amax_ref(y, scale, qdtype, out_dtype, write)
+        y, (mean, rstd) = rms_norm_ref(x, weight, eps, zero_centered_gamma), _stats(x, kind)
+    q, amax = cast_amax_ref(y, scale, qdtype, out_dtype, write)
+    return q, mean, rstd, amax
 
 
 # The amax reduces over rows, so under vmap the twin is vmapped (one amax per batch member).

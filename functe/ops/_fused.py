@@ -31,7 +31,7 @@ from .._vjp import custom_vjp
 from ..kernels.activation import DACTIVATION
 from ..kernels.elementwise import AXPBY, BIAS_GRAD
 from ..kernels.gemm import GEMM, GEMM_DGRAD, GEMM_DGRAD_DACT, GEMM_PREACT, GEMM_WGRAD, GEMM_WGRAD_DBIAS
-from ..kernels.norm import LAYER_NORM_BWD, LAYER_NORM_BWD_ADD, RMS_NORM_BWD, RMS_NORM_BWD_ADD
+from ..kernels.norm import LAYER_NORM_BWD_ADD, RMS_NORM_BWD_ADD
 from ..kernels.quantize import DACT_DBIAS
 from . import _activation as act
 from . import _norm as norm
@@ -285,38 +285,49 @@ backward_activation_bias = custom_vjp(
 # ----------------------------------------------------------------------------- backward: make_extra_output -> norm
 
 
-def _norm_op(kind: str):
-    return norm._layer_norm if kind == "layer" else norm._rms_norm
+def _norm_forward(kind: str, x, weight, bias, *, eps, zero_centered_gamma):
+    """``(y, residuals)`` of the norm op of ``kind`` (``"layer"``: LayerNorm with ``bias``; ``"rms"``)."""
+    if kind == "rms":
+        return norm._rms_norm.fwd(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    (y, _, _), res = norm._layer_norm.fwd(x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    return y, res
+
+
+def _norm_backward(kind: str, res, dy, *, eps, zero_centered_gamma):
+    """``(dx, dweight, dbias or None)`` of the norm op of ``kind`` from its residuals, for a cotangent
+    of ``y`` only (the LayerNorm statistics not differentiated through)."""
+    static = {"eps": eps, "zero_centered_gamma": zero_centered_gamma}
+    if kind == "layer":
+        return norm._layer_norm.bwd(res, (dy, None, None), **static)
+    return (*norm._rms_norm.bwd(res, dy, **static), None)
 
 
 def _backward_add_norm_fwd(x, weight, bias, *, kind, eps, zero_centered_gamma):
     # Unfused forward: (x, x) = make_extra_output(x); y = norm(x, weight[, bias]).
-    args = (x, weight, bias) if kind == "layer" else (x, weight)
-    y, norm_res = _norm_op(kind).fwd(*args, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    y, norm_res = _norm_forward(kind, x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)
     return (x, y), (None, norm_res)
 
 
 def _backward_add_norm_bwd(res, cts, *, kind, eps, zero_centered_gamma):
     # dx = d_extra + norm'(dy): the norm's backward kernel adds the residual's gradient before rounding.
-    _, (x, weight) = res
+    _, norm_res = res
     d_extra, dy = cts
     if dy is None:
         return d_extra, None, None
-    static = (eps, zero_centered_gamma)
+    if d_extra is None:
+        return _norm_backward(kind, norm_res, dy, eps=eps, zero_centered_gamma=zero_centered_gamma)
     if kind == "layer":
-        if d_extra is None:
-            return LAYER_NORM_BWD(dy, x, weight, *static)
-        return LAYER_NORM_BWD_ADD(dy, x, weight, d_extra, *static)
-    dx, dweight = (
-        RMS_NORM_BWD(dy, x, weight, *static) if d_extra is None else RMS_NORM_BWD_ADD(dy, x, weight, d_extra, *static)
-    )
-    return dx, dweight, None
+        x, weight, mean, rstd = norm_res
+        return LAYER_NORM_BWD_ADD(dy, x, mean, rstd, weight, d_extra, zero_centered_gamma)
+    x, weight = norm_res
+    return (*RMS_NORM_BWD_ADD(dy, x, weight, d_extra, eps, zero_centered_gamma), None)
 
 
 backward_add_norm = custom_vjp("backward_add_norm", _backward_add_norm_fwd, _backward_add_norm_bwd, symbolic_zeros=True)
 """``(extra, y) = (x, norm(x, weight[, bias]))``: a forked residual feeding a LayerNorm (``kind="layer"``)
 or an RMSNorm (``kind="rms"``, ``bias`` None). Its backward adds the residual's gradient inside the
-norm's backward kernel (TE's BackwardAddRMSNorm). Covers ``make_extra_output, layer_norm | rms_norm``."""
+norm's backward kernel (TE's BackwardAddRMSNorm). Covers ``make_extra_output, layer_norm | rms_norm``
+(the rule declines a LayerNorm whose statistics are used: this op does not return them)."""
 
 __all__ = [
     "backward_activation_bias",

@@ -34,7 +34,7 @@ from .._vjp import custom_vjp
 from . import _activation as act
 from . import _fp8_linear as fp8
 from ._core import _bias
-from ._fused import _act_params, _norm_op, _rows
+from ._fused import _act_params, _norm_backward, _rows
 
 Tensor = torch.Tensor
 
@@ -61,21 +61,22 @@ def _forward_norm_fp8_linear_fwd(
 ):
     rows = _rows(x)
     native, store, scale = _input_cast_setup("forward_norm_fp8_linear", rows, weight, state, recipe)
-    xq, sx, amax = cast_norm(
+    xq, sx, amax, stats = cast_norm(
         rows, norm_weight, norm_bias, kind, eps, zero_centered_gamma, recipe, "input", scale, store
     )
     y, lin_res = fp8.forward_quantized(
         xq, sx, amax, x.shape, x.dtype, weight, bias, state, recipe=recipe, native=native
     )
-    return y, ((x, norm_weight), lin_res)  # the norm's residuals (its inputs), fp8_linear's
+    # The norm's residuals (its inputs, and LayerNorm's statistics in its output's shape), fp8_linear's.
+    norm_res = (x, norm_weight, *(s.view(x.shape[:-1]) for s in stats))
+    return y, (norm_res, lin_res)
 
 
 def _forward_norm_fp8_linear_bwd(res, dy, *, kind, eps, zero_centered_gamma, recipe):
     # The unfused chain, backwards: fp8_linear, norm.
     norm_res, lin_res = res
     dh, dweight, dbias, state_ct = fp8._fp8_linear.bwd(lin_res, dy, recipe=recipe)
-    grads = _norm_op(kind).bwd(norm_res, dh, eps=eps, zero_centered_gamma=zero_centered_gamma)
-    dx, dnorm_w, dnorm_b = grads if kind == "layer" else (*grads, None)
+    dx, dnorm_w, dnorm_b = _norm_backward(kind, norm_res, dh, eps=eps, zero_centered_gamma=zero_centered_gamma)
     return dx, dnorm_w, dnorm_b, dweight, dbias, state_ct
 
 

@@ -1,9 +1,12 @@
 """Normalization ops: LayerNorm, RMSNorm and L2 normalization over the last dimension.
 
 The forward rules run the norm kernels; the backward rules run the matching
-backward kernels on the *inputs* (mean and reciprocal std are recomputed from
-``x``), so no intermediate result is kept and second derivatives are exact.
-``dγ`` and ``dβ`` are reduced in fp32, deterministically. See ``docs/activations.md``.
+backward kernels. No op keeps an intermediate result, so second derivatives are
+exact: the LayerNorm op (``_layer_norm``) returns its row statistics ``mean`` and
+``rstd`` as *outputs* next to ``y`` and saves them as such (its backward kernel
+takes them, TransformerEngine's contract); RMSNorm and L2 normalization
+recompute r from ``x``. ``dγ`` and ``dβ`` are reduced in fp32, deterministically.
+See ``docs/activations.md``.
 """
 
 from __future__ import annotations
@@ -44,15 +47,42 @@ def _check(op: str, x: Tensor, params: dict[str, Tensor], eps) -> float:
 
 
 def _layer_norm_fwd(x, weight, bias, *, eps, zero_centered_gamma):
-    return LAYER_NORM(x, weight, bias, eps, zero_centered_gamma), (x, weight)
+    y, mean, rstd = LAYER_NORM(x, weight, bias, eps, zero_centered_gamma)
+    return (y, mean, rstd), (x, weight, mean, rstd)
 
 
-def _layer_norm_bwd(res, dy, *, eps, zero_centered_gamma):
-    x, weight = res
-    return LAYER_NORM_BWD(dy, x, weight, eps, zero_centered_gamma)
+def stats_grad(x: Tensor, mean: Tensor, rstd: Tensor, dmean: Tensor | None, drstd: Tensor | None) -> Tensor:
+    """The part of dx that flows through LayerNorm's statistics, in their (compute) dtype.
+
+    ``∂mean/∂x = 1/N`` and ``∂rstd/∂x = −rstd³·(x − mean)/N``. Cotangents reach the statistics only
+    when something differentiates through them: grad-of-grad, where the backward rule used them.
+    """
+    n = x.shape[-1]
+    dx = None
+    if drstd is not None:
+        dx = (x.to(mean.dtype) - mean[..., None]) * (drstd * rstd**3 / -n)[..., None]
+    if dmean is not None:
+        through_mean = (dmean / n)[..., None]
+        dx = through_mean.expand(x.shape) if dx is None else dx + through_mean
+    return dx
 
 
-_layer_norm = custom_vjp("layer_norm", _layer_norm_fwd, _layer_norm_bwd)
+def _layer_norm_bwd(res, cts, *, eps, zero_centered_gamma):
+    x, weight, mean, rstd = res
+    dy, dmean, drstd = cts
+    dx = dweight = dbias = None
+    if dy is not None:
+        dx, dweight, dbias = LAYER_NORM_BWD(dy, x, mean, rstd, weight, zero_centered_gamma)
+    if dmean is not None or drstd is not None:
+        through_stats = stats_grad(x, mean, rstd, dmean, drstd)
+        dx = (through_stats if dx is None else through_stats + dx).to(x.dtype)
+    return dx, dweight, dbias
+
+
+# symbolic_zeros: the statistics' cotangents arrive as None unless they are differentiated through.
+_layer_norm = custom_vjp("layer_norm", _layer_norm_fwd, _layer_norm_bwd, symbolic_zeros=True)
+"""``(y, mean, rstd) = _layer_norm(x, weight, bias, *, eps, zero_centered_gamma)``: the LayerNorm op
+(``mean`` and ``rstd`` of shape ``x.shape[:-1]``, fp32, or fp64 for fp64 x); :func:`layer_norm` returns ``y``."""
 
 
 def layer_norm(
@@ -67,7 +97,9 @@ def layer_norm(
         bias: β, ``[N]``.
 
     Statistics and the result are computed in fp32 (fp64 for fp64 inputs) and
-    cast to x's dtype; ``dγ`` and ``dβ`` are fp32 reductions over all rows.
+    cast to x's dtype; ``dγ`` and ``dβ`` are fp32 reductions over all rows. The
+    op saves the row mean and 1/std for the backward (as outputs of the op, so
+    second derivatives stay exact).
 
     Example:
         >>> import torch
@@ -77,7 +109,7 @@ def layer_norm(
         [-1.0, 1.0]
     """
     eps = _check("layer_norm", x, {"weight": weight, "bias": bias}, eps)
-    return _layer_norm(x, weight, bias, eps=eps, zero_centered_gamma=bool(zero_centered_gamma))
+    return _layer_norm(x, weight, bias, eps=eps, zero_centered_gamma=bool(zero_centered_gamma))[0]
 
 
 def _rms_norm_fwd(x, weight, *, eps, zero_centered_gamma):

@@ -21,6 +21,13 @@ def norm_kind(m: Match, name: str = "norm") -> tuple[str, object]:
     return ("layer", e.inputs[2]) if e.op is norm._layer_norm else ("rms", Literal(None))
 
 
+def stats_unused(m: Match, name: str = "norm") -> str | None:
+    """Decline a LayerNorm whose statistics (outputs ``mean``, ``rstd``) are used outside the match:
+    the fused ops return only ``y``."""
+    used = [v for v in m.eqn(name).outputs[1:] if any(v is o for o in m.outputs)]
+    return "the LayerNorm statistics (mean, rstd) are used outside the match" if used else None
+
+
 def _backward_add_norm(m: Match):
     fork, n = m.eqn("fork"), m.eqn("norm")
     other = fork.outputs[1 - m.edge("fork")]
@@ -34,6 +41,7 @@ BACKWARD_ADD_NORM = Rule(
     "backward",
     P(NORMS, P(core._make_extra_output, "x", name="fork"), "g", ..., name="norm"),
     _backward_add_norm,
+    condition=stats_unused,
     doc="forked residual into a norm: the norm's backward adds the residual's gradient (TE BackwardAddRMSNorm)",
 )
 

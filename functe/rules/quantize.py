@@ -23,11 +23,11 @@ from ..ops import _activation as act
 from ..ops import _core as core
 from ..ops import _fp8_linear as fp8
 from ..ops import _fused_fp8 as fused
-from ._parallel import any_parallel_reason
+from ._parallel import any_parallel_reason, first_reason
 from ._pattern import Match, Rule, RuleSet
 from ._pattern import Pattern as P
 from .activation import elementwise
-from .norm import NORMS, norm_kind
+from .norm import NORMS, norm_kind, stats_unused
 
 
 def _recipe(m: Match) -> str | None:
@@ -95,9 +95,9 @@ def _fp8_activation(m: Match):
 FORWARD_NORM_QUANTIZE = Rule(
     "forward_norm_quantize",
     "forward",
-    P(fp8._fp8_linear, P(NORMS, "x", "g", ..., name="norm"), ..., name="fp8"),
+    P(fp8._fp8_linear, P(NORMS, "x", "g", ..., name="norm", out=0), ..., name="fp8"),
     _norm_quantize,
-    condition=_recipe,
+    condition=first_reason(_recipe, stats_unused),
     doc="norm feeding an FP8 linear: the norm kernel emits the quantized input (q-in)",
 )
 
