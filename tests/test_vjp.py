@@ -171,3 +171,43 @@ def test_output_aliasing_an_input_stays_functional():
     assert y is not x and y.data_ptr() == x.data_ptr()
     (g,) = torch.autograd.grad((y * 2).sum(), x)
     assert g.tolist() == [2.0, 2.0, 2.0]
+
+
+def _counting_identity_op():
+    calls = {"fwd": 0}
+
+    def fwd(x, y):
+        calls["fwd"] += 1
+        return (x, x * y), (y,)
+
+    def bwd(res, cts):
+        (y,) = res
+        dx, dxy = cts
+        return dx + dxy * y, None
+
+    return functe.custom_vjp("pair", fwd, bwd), calls
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no_requires_grad"])
+def test_forward_only_path_returns_the_same_values_and_fresh_outputs(mode):
+    # With nothing recording, the op skips its autograd.Function; results and aliasing must not change.
+    op, calls = _counting_identity_op()
+    x, y = torch.tensor([1.0, -2.0]), torch.tensor([3.0, 4.0])
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode)
+    if ctx is None:
+        out = op(x, y)
+    else:
+        with ctx():
+            out = op(x, y)
+    assert calls["fwd"] == 1
+    assert out[0] is not x and torch.equal(out[0], x)  # an input returned as an output is a view
+    assert torch.equal(out[1], x * y)
+
+
+def test_jvp_under_no_grad_still_uses_the_function():
+    # torch.no_grad() does not turn off forward-mode AD: the op must still propagate tangents.
+    op, _ = _counting_identity_op()
+    x, y, t = torch.tensor([1.0, -2.0]), torch.tensor([3.0, 4.0]), torch.tensor([1.0, 1.0])
+    with torch.no_grad():
+        _, tangent = jvp(lambda x: op(x, y)[1], (x,), (t,))
+    assert torch.equal(tangent, y)
