@@ -12,6 +12,7 @@ launches (GPU) take the unmodified ``JITFunction`` path.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import triton
@@ -36,7 +37,8 @@ class _SwitchableJIT(JITFunction):
 
     def __getitem__(self, grid):
         if interpreting():
-            return _quiet(self._interpreted()[grid])
+            launch = _quiet(self._interpreted()[grid])
+            return launch if _launch_log is None else _recorded(self, launch)
         return super().__getitem__(grid)
 
     def __call__(self, *args, **kwargs):
@@ -58,6 +60,35 @@ class _SwitchableJIT(JITFunction):
             raise InterpreterError(repr(e)) from e
         finally:
             scope.restore()
+
+
+_launch_log: list | None = None
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Collect ``(kernel, args, kwargs)`` of every interpreted launch in the block.
+
+    The test suite compiles what it recorded for a GPU target (``tests/test_gpu_codegen.py``):
+    the interpreter accepts code that Triton's compiler rejects, so passing interpreter tests
+    alone does not prove a kernel builds for a GPU.
+    """
+    global _launch_log
+    previous, _launch_log = _launch_log, []
+    try:
+        yield _launch_log
+    finally:
+        _launch_log = previous
+
+
+def _recorded(kernel, launch):
+    log = _launch_log
+
+    def run(*args, **kwargs):
+        log.append((kernel, args, kwargs))
+        return launch(*args, **kwargs)
+
+    return run
 
 
 def _quiet(launch):

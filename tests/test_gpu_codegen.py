@@ -1,0 +1,258 @@
+"""Every Triton kernel compiles for a GPU (sm_90), in the specialisations functe launches.
+
+Triton's interpreter accepts code its compiler rejects (Python globals read inside a kernel,
+some dtype mixes, blocks smaller than ``tl.dot`` allows), so interpreter tests alone do not prove
+that a kernel builds on the first GPU it meets. Here a small workload of public ops and kernel
+launchers runs through the interpreter with :func:`functe.kernels._triton.record_launches` on;
+every distinct launch (kernel, argument types, constexpr values, warps) is then compiled to a
+cubin for sm_90 with the ptxas Triton ships, no device needed. The GEMM is also compiled in the
+largest Hopper configurations of its autotuning lists and must fit an H100's shared memory.
+A kernel that the workload never launches fails :func:`test_the_workload_launches_every_kernel`,
+so a new kernel cannot skip this check. Numerics on a GPU are not tested here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+
+import pytest
+import torch
+
+import functe
+from functe import ops
+from functe.kernels import _gemm_configs, _triton, gemm, gemm_fp8, norm_quantize
+
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    _HAVE = os.path.exists(_PTXAS)
+except ImportError:  # pragma: no cover - other Triton layouts
+    _HAVE = False
+
+pytestmark = [
+    pytest.mark.skipif(not _HAVE, reason="Triton's NVIDIA backend (ptxas) is not installed"),
+    pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset:UserWarning"),
+]
+
+BF16 = torch.bfloat16
+H100_SHARED_MEMORY = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+
+_POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.float64: "*fp64",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.float8_e5m2: "*fp8e5",
+    torch.uint8: "*u8",
+    torch.int8: "*i8",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.bool: "*i1",
+}
+
+
+def launchable_kernels() -> dict:
+    """``{kernel: "module.name"}`` for every top-level (``*_kernel``) Triton kernel of functe."""
+    import functe.kernels as package
+
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"functe.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, _triton._SwitchableJIT) and name.endswith("_kernel"):
+                found[value] = f"{info.name}.{name}"
+    return found
+
+
+def _value_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return _POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def _frozen(d: dict) -> tuple:
+    return tuple(sorted(d.items()))
+
+
+def specialisation(kernel, args, kwargs) -> tuple:
+    """A hashable ``(kernel, signature, constexprs, options)`` from one recorded launch."""
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    values = dict(zip((p.name for p in kernel.params), args))
+    values.update({k: v for k, v in kwargs.items() if k not in options})
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = values[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        else:
+            signature[param.name] = _value_type(value)
+    return kernel, _frozen(signature), _frozen(constexprs), _frozen(options)
+
+
+def compile_for_sm90(spec):
+    kernel, signature, constexprs, options = spec
+    source = ASTSource(fn=kernel, signature=dict(signature), constexprs=dict(constexprs))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(options))
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+def _grads(fn, *args):
+    out = fn(*args)
+    outs = out if isinstance(out, tuple) else (out,)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
+
+
+def workload():
+    """bf16 forward+backward of every op family, the quantized linears, the fused block, the GEMMs."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=BF16):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+
+    for name in ops.ACTIVATION_NAMES:
+        gated = name not in ("gelu", "qgelu", "relu", "srelu", "silu")
+        x = rand(4, 64 if gated else 32)
+        if name.startswith("scaled_"):
+            _grads(lambda x, s, name=name: ops.activation(x, name, s), x, rand(4))
+        else:
+            _grads(lambda x, name=name: ops.activation(x, name), x)
+    x, w, b = rand(4, 32), rand(32), rand(32)
+    _grads(lambda x, w, b: ops.layer_norm(x, w, b), x, w, b)
+    _grads(lambda x, w: ops.rms_norm(x, w, zero_centered_gamma=True), x, w)
+    _grads(ops.l2_normalize, x)
+    _grads(lambda x: ops.dropout(x, 0.1, seed=3), x)
+    _grads(ops.bias, x, b)
+    _grads(lambda x: ops.constant_scale(x, 2.0), x)
+    _grads(ops.add_extra_input, x, rand(4, 32))
+
+    recipes = [
+        functe.DelayedScaling(amax_history_len=4),
+        functe.CurrentScaling(),
+        functe.MXFP8BlockScaling(),
+        functe.Float8BlockScaling(),
+        functe.NVFP4BlockScaling(),
+    ]
+    for recipe in recipes:
+        x, w, b = rand(32, 128), rand(128, 128), rand(128)
+        state = functe.init_linear_scaling_state(recipe)
+        seed = torch.tensor(5) if isinstance(recipe, functe.NVFP4BlockScaling) else None
+        _grads(lambda x, w, b, st=state, r=recipe, sd=seed: ops.fp8_linear(x, w, b, st, recipe=r, seed=sd), x, w, b)
+        q, _ = functe.quantize(x.detach(), recipe, state=None if state is None else state.input, seed=seed)
+        functe.dequantize(q, BF16)
+
+    # The fused block (norm q-in, GEMM epilogues, dact+dbias) with and without FP8.
+    from functe.demo import init_block_params, mlp_block
+
+    params = {k: v.to(BF16).requires_grad_() for k, v in init_block_params(0).items() if k != "head.weight"}
+    x = rand(16, params["ln.weight"].shape[0])
+    _grads(lambda x, *ps: mlp_block(dict(zip(params, ps)), x), x, *params.values())
+
+    # The norm + FP8 cast kernel (the q-in of norm -> FP8 linear), both norms.
+    x, w, b, scale = rand(4, 32).detach(), rand(32).detach(), rand(32).detach(), torch.ones(())
+    for kind, beta in (("layer", b), ("rms", None)):
+        norm_quantize.norm_cast_amax(x, w, beta, scale, 1e-5, kind, False, torch.float8_e4m3fn, torch.uint8, True)
+
+    # The GEMM launchers (16-bit and FP8 operands, every epilogue and backward variant).
+    a, wt, bias, res = rand(32, 64).detach(), rand(48, 64).detach(), rand(48).detach(), rand(32, 48).detach()
+    gemm.gemm(a, wt, bias, res, 0.5, "gelu")
+    z = gemm.gemm_preact(a, wt, bias, None, 1.0, "silu")[1]
+    dy = rand(32, 48).detach()
+    gemm.gemm_dgrad(dy, wt, a)
+    gemm.gemm_dgrad_dact(dy, z, wt, None, 1.0, "silu")
+    gemm.gemm_wgrad(dy, a)
+    gemm.gemm_wgrad_dbias(dy, a)
+    one = torch.ones((), dtype=torch.float32)
+    a8, w8 = a.to(torch.float8_e4m3fn), wt.to(torch.float8_e4m3fn)
+    gemm.gemm(a8, w8, bias, None, 1.0, None, one, one, BF16)
+    gemm.gemm_dgrad(dy.to(torch.float8_e5m2), w8, None, 1.0, one, one, BF16)
+    gemm_fp8.gemm_amax(a, wt, bias, None, 1.0, "relu")
+    gemm_fp8.gemm_quantize(a, wt, one, torch.float8_e4m3fn, bias, None, 1.0, "gelu")
+    gemm_fp8.cast_fp8(dy, one, torch.float8_e5m2)
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    with functe.use_backend("interpret"), _triton.record_launches() as log:
+        workload()
+    return log
+
+
+# Constexprs that only the interpreter sets (numpy has no bf16 dot or fp8 casts); a GPU launch has them off.
+INTERPRETER_ONLY = {"UPCAST": False, "EMULATE_FP8": False, "EMULATE": False}
+
+
+def _gemm_configs_for(spec):
+    operands = dict(spec[1])["A"]
+    return _gemm_configs.HOPPER_FP8 if operands.startswith("*fp8") else _gemm_configs.HOPPER_16BIT
+
+
+def as_on_gpu(spec, config=None) -> tuple:
+    """The specialisation a GPU launch would compile: interpreter-only flags off, and for the GEMM a
+    Hopper configuration (default: the smallest tile of its list) instead of the interpreter's 16x16x16."""
+    kernel, signature, constexprs, options = spec
+    constexprs = {**dict(constexprs), **{k: v for k, v in INTERPRETER_ONLY.items() if k in dict(constexprs)}}
+    if kernel is gemm._gemm_kernel:
+        if config is None:
+            config = min(_gemm_configs_for(spec), key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+        constexprs.update(config.kwargs)
+        options = (("num_stages", config.num_stages), ("num_warps", config.num_warps))
+    return kernel, signature, tuple(sorted(constexprs.items())), options
+
+
+def _specs(recorded) -> list:
+    return list(dict.fromkeys(as_on_gpu(specialisation(*launch)) for launch in recorded))
+
+
+def test_the_workload_launches_every_kernel(recorded):
+    launched = {kernel for kernel, _, _ in recorded}
+    missing = sorted(name for kernel, name in launchable_kernels().items() if kernel not in launched)
+    assert not missing, f"kernels the codegen workload never launches: {missing}"
+
+
+def test_every_launched_specialisation_compiles_for_sm90(recorded, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # fresh compiles, isolated from other processes
+    failures = []
+    specs = _specs(recorded)
+    for spec in specs:
+        try:
+            compiled = compile_for_sm90(spec)
+            assert compiled.asm["cubin"]
+        except Exception as e:  # collect all: one failing kernel should not hide the others
+            failures.append(f"{spec[0].__name__} {dict(spec[2])}: {type(e).__name__}: {str(e)[:300]}")
+    assert len(specs) >= len(launchable_kernels())
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("operands", ["bf16", "fp8"])
+@pytest.mark.parametrize("largest", ["tiled", "persistent"])
+def test_gemm_compiles_in_its_largest_hopper_configs(recorded, operands, largest, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    want = "*fp8e4nv" if operands == "fp8" else "*bf16"
+    # The forward GEMM with the richest epilogue recorded for these operands.
+    candidates = [s for s in _specs(recorded) if s[0] is gemm._gemm_kernel and dict(s[1])["A"] == want]
+    assert candidates, f"no {operands} GEMM launch recorded"
+    spec = max(candidates, key=lambda s: sum(v is not None and v is not False for _, v in s[2]))
+    persistent = largest == "persistent"
+    config = max(
+        (c for c in _gemm_configs_for(spec) if c.kwargs["PERSISTENT"] == persistent),
+        key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages),
+    )
+    compiled = compile_for_sm90(as_on_gpu(spec, config))
+    assert compiled.asm["cubin"]
+    assert compiled.metadata.shared <= H100_SHARED_MEMORY, (config, compiled.metadata.shared)
