@@ -27,6 +27,8 @@ from ._errors import FuncteError, ShapeError, describe
 from ._recipe import Float8BlockScaling, NVFP4BlockScaling
 from .kernels.block_quantize import FP8_BLOCK_CAST, FP8_BLOCK_CAST_2D, FP8_BLOCK_DEQUANTIZE
 from .kernels.hadamard import RHT16, RHT_SIZE
+from .kernels.norm_block_quantize import NORM_FP8_BLOCK_CAST, NORM_NVFP4_CAST
+from .kernels.norm_quantize import NORM_CAST_AMAX
 from .kernels.nvfp4 import NVFP4_CAST, NVFP4_DEQUANTIZE, global_scales_ref
 from .kernels.quantize import ACT_OUTPUT_CAST_AMAX, CAST_AMAX
 
@@ -125,6 +127,45 @@ def cast_act_block(
         raise FuncteError(f"functe.cast_act_block: role {role!r} uses 2-D blocks; activations are 1-D blocked inputs")
     q, s, amax, _ = _quantize(x, act, (limit, alpha, offset), recipe, role, out_dtype, None)
     return q, s, amax
+
+
+def cast_norm_block(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    kind: str,
+    eps: float,
+    zero_centered_gamma: bool,
+    recipe: BlockRecipe,
+    role: str,
+    scale: None,
+    out_dtype: torch.dtype,
+):
+    """``y = norm(x)`` and ``y`` quantized for ``role`` in the norm's own kernel: ``(y, q, scale, amax, stats)``.
+
+    ``kind`` ``"layer"`` (LayerNorm, ``bias`` = β) or ``"rms"`` (RMSNorm, ``bias`` None); ``x`` a
+    ``[rows, N]`` matrix. ``y`` (x's dtype) is the norm's output, which the block recipes' linear
+    keeps for its wgrad copy; ``q, scale, amax`` equal ``cast_block(y, ...)`` bit for bit and
+    ``stats`` is LayerNorm's ``(mean, rstd)`` (``()`` for RMSNorm), the bits the unfused norm returns.
+    FP8 block scaling: one kernel. NVFP4: the norm + amax kernel first (nothing written), then the
+    norm + cast kernel (:mod:`functe.kernels.norm_block_quantize`). 1-D blocks, round to nearest:
+    ``role`` is a forward role other than ``"weight"``.
+    """
+    _check(x, recipe, role, scale, "cast_norm_block")
+    if recipe.block_shape(role)[0] > 1 or _stochastic(recipe, role):
+        raise FuncteError(f"functe.cast_norm_block: role {role!r}: norms feed a GEMM as its (1-D blocked) input")
+    if isinstance(recipe, Float8BlockScaling):
+        qdtype, pow2, eps_amax = recipe.dtype(role), recipe.power_2_scales, float(recipe.amax_epsilon)
+        y, q, _, mean, rstd = NORM_FP8_BLOCK_CAST(
+            x, weight, bias, eps, kind, zero_centered_gamma, qdtype, out_dtype, pow2, eps_amax
+        )
+        s, amax = None, None
+    else:
+        one, fp8 = torch.ones((), device=x.device), torch.float8_e4m3fn
+        _, _, _, amax = NORM_CAST_AMAX(x, weight, bias, one, eps, kind, zero_centered_gamma, fp8, fp8, False)
+        y, q, _, mean, rstd = NORM_NVFP4_CAST(x, weight, bias, amax, eps, kind, zero_centered_gamma, out_dtype)
+        s = global_scales_ref(amax)[0]
+    return y, q, s, amax, ((mean, rstd) if kind == "layer" else ())
 
 
 def wgrad_operand(t2: Tensor, recipe: BlockRecipe, role: str, out_dtype: torch.dtype, seed: Tensor | None):

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from functe.kernels import block_quantize as bq
 from functe.kernels import hadamard as hd
+from functe.kernels import norm_block_quantize as nbq
 from functe.kernels import nvfp4 as nv
 
 try:
@@ -69,7 +70,35 @@ _NV_CONST = dict(
     MODE=0, ACT=0, GATED=False, CLAMPED=False, TILE_ROWS=1, STOCHASTIC=False, PACKED=True, BLOCK_RB=16, BLOCK_CB=8
 )  # fmt: skip
 
+_NORM_ARGS = {
+    "X": "*bf16",
+    "W": "*bf16",
+    "B": "*bf16",
+    "AMAX": "*fp32",
+    "Y": "*bf16",
+    "Q": "*u8",
+    "S": "*fp32",
+    "MEAN": "*fp32",
+    "RSTD": "*fp32",
+    "n_rows": "i32",
+    "n_cols": "i32",
+    "n_blocks": "i32",
+    "inv_n": "fp32",
+    "eps": "fp32",
+    "amax_eps": "fp32",
+}
+_NORM_CONST = dict(
+    CENTER=True, HAS_B=True, ZERO_CENTERED=False, NVFP4=False, POW2=True, MANT=3, BIAS=7, MIN_NORMAL=2.0**-6,
+    SUB_STEPS=512.0, MAXV=448.0, BITS=True, BLOCK_R=4, BLOCK_N=1024, CB=128, COMPUTE=tl.float32,
+)  # fmt: skip
+
 VARIANTS = {
+    "norm_fp8_block_layer": (nbq._norm_block_cast_kernel, _NORM_ARGS, _NORM_CONST),
+    "norm_nvfp4_rms_dequant": (
+        nbq._norm_block_cast_kernel,
+        {**_NORM_ARGS, "Q": "*bf16", "S": "*u8"},
+        {**_NORM_CONST, "CENTER": False, "HAS_B": False, "NVFP4": True, "BITS": False, "CB": 16},
+    ),
     "fp8_1x128": (bq._fp8_block_kernel, _FP8_ARGS, _FP8_CONST),
     "fp8_1x128_swiglu_dequant": (
         bq._fp8_block_kernel,

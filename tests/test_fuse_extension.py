@@ -160,7 +160,7 @@ def test_default_and_user_rules_together():
     check_transforms(fused, _model, args, higher_order=False)
     # nothing leaked into the defaults: a plain fuse does not know the user's rules
     plain = functe.fuse(_model).plan(*args)
-    assert plain.stats["joint"].fired == {} and len(DEFAULT_RULES) == 14
+    assert plain.stats["joint"].fired == {} and len(DEFAULT_RULES) == 16
 
 
 def test_check_catches_a_wrong_forward_fusion():

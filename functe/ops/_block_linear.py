@@ -40,9 +40,19 @@ def _inv(scale: Tensor | None) -> Tensor | None:
 
 
 def _fwd(x, weight, bias, seed, *, recipe):
-    x2 = x.reshape(-1, x.shape[-1])
+    xq, sx, _ = cast_block(x.reshape(-1, x.shape[-1]), recipe, "input", None, operand_dtype(recipe, x.dtype))
+    return forward_quantized(x, xq, sx, weight, bias, seed, recipe=recipe)
+
+
+def forward_quantized(x, xq, sx, weight, bias, seed, *, recipe):
+    """The forward rule after the input cast: ``(y, residuals)`` from ``xq`` (x's rows quantized, with
+    the per-tensor scale ``sx`` of :func:`functe._block_quantize.cast_block`).
+
+    Fused ops that produce the quantized input themselves (norm or activation + block cast: q-in) call
+    this, so their residuals are exactly the ones the backward rule expects. ``x`` is the
+    high-precision input, a residual: the backward quantizes its wgrad copy from it.
+    """
     dtype = operand_dtype(recipe, x.dtype)
-    xq, sx, _ = cast_block(x2, recipe, "input", None, dtype)
     wq, sw, _ = cast_block(weight, recipe, "weight", None, dtype)
     y = gemm_nt(xq, _inv(sx), wq, _inv(sw), out_dtype=x.dtype, bias=bias)
     # 2-D weight blocks are the same for W and Wᵀ: dgrad reuses W_q (an intermediate residual, so

@@ -10,9 +10,13 @@
 **Condition.** TE fuses these when a recipe is on and the neighbouring op owns the quantizer. In
 functe the ``fp8_linear`` equation carries both, its ``recipe`` and its scaling state, so the rules
 read the recipe from that equation; ``fuse(fn, recipe=r)`` is an optional assertion (a linear with
-another recipe is reported and left unfused). MXFP8 is declined: its linear quantizes columnwise
-copies again from the high-precision tensors, so the producer must write its high-precision
-output anyway and nothing is saved. The fused ops are in :mod:`functe.ops._fused_fp8`.
+another recipe is reported and left unfused). The fused ops are in :mod:`functe.ops._fused_fp8`.
+
+**Block recipes** (FP8 block scaling, NVFP4): their linear traces as ``block_linear``; sibling q-in
+rules (``forward_norm_block_quantize``, ``forward_activation_block_quantize``) fuse a norm or an
+activation into its row-wise block cast (:mod:`functe.ops._fused_block`). These recipes quantize the
+wgrad copy again from the high-precision tensor, so the fused op still writes it (the norm kernel
+writes both copies). MXFP8 is declined: it has no fused producer + MXFP8 cast kernel.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from __future__ import annotations
 from .._oplist import Literal
 from .._recipe import MXFP8BlockScaling
 from ..ops import _activation as act
+from ..ops import _block_linear as block
 from ..ops import _core as core
 from ..ops import _fp8_linear as fp8
+from ..ops import _fused_block as fused_block
 from ..ops import _fused_fp8 as fused
 from ._parallel import any_parallel_reason, first_reason
 from ._pattern import Match, Rule, RuleSet
@@ -36,18 +42,30 @@ def _recipe(m: Match) -> str | None:
     recipe = m.params("fp8")["recipe"]
     if isinstance(recipe, MXFP8BlockScaling):
         return (
-            "MXFP8 recipe: fp8_linear quantizes column-wise copies from the high-precision tensor, "
-            "which the fused kernel would have to write anyway"
+            "MXFP8 recipe: no fused norm/activation + MXFP8 cast kernel (the per-tensor and block recipes "
+            "have theirs); fp8_linear quantizes MXFP8's column-wise copies from the high-precision tensor"
         )
+    return _recipe_given(m, "fp8_linear", recipe)
+
+
+def _recipe_given(m: Match, op: str, recipe) -> str | None:
     if m.recipe is not None and m.recipe != recipe:
-        return f"fp8_linear uses {recipe!r}, not the recipe given to fuse ({m.recipe!r})"
+        return f"{op} uses {recipe!r}, not the recipe given to fuse ({m.recipe!r})"
+    return None
+
+
+def _block_recipe(m: Match) -> str | None:
+    return any_parallel_reason(m) or _recipe_given(m, "block_linear", m.params("lin")["recipe"])
+
+
+def _interleaved(m: Match) -> str | None:
+    if m.params("act")["interleave"]:
+        return "interleaved gated layout: the quantizing activation kernel reads the chunked layout"
     return None
 
 
 def _activation_quantize_condition(m: Match) -> str | None:
-    if m.params("act")["interleave"]:
-        return "interleaved gated layout: the quantizing activation kernel reads the chunked layout"
-    return _recipe(m)
+    return _interleaved(m) or _recipe(m)
 
 
 def _backward_condition(m: Match) -> str | None:
@@ -77,6 +95,32 @@ def _activation_quantize(m: Match):
         alpha=p["alpha"],
         offset=p["offset"],
         recipe=m.params("fp8")["recipe"],
+    )
+
+
+def _norm_block_quantize(m: Match):
+    kind, beta = norm_kind(m)
+    _, w, b, seed = m.args("lin")
+    return m.fuse(
+        fused_block.forward_norm_block_linear,
+        [m["x"], m["g"], beta, w, b, seed],
+        kind=kind,
+        **m.params("norm"),
+        recipe=m.params("lin")["recipe"],
+    )
+
+
+def _activation_block_quantize(m: Match):
+    p = m.params("act")
+    _, w, b, seed = m.args("lin")
+    return m.fuse(
+        fused_block.forward_activation_block_linear,
+        [m["x"], w, b, seed],
+        name=p["name"],
+        limit=p["limit"],
+        alpha=p["alpha"],
+        offset=p["offset"],
+        recipe=m.params("lin")["recipe"],
     )
 
 
@@ -111,6 +155,26 @@ FORWARD_ACTIVATION_QUANTIZE = Rule(
     doc="activation feeding an FP8 linear: the activation kernel emits the quantized input (q-in)",
 )
 
+# block_linear(norm(x, g[, beta]), w, b, seed) -> forward_norm_block_linear(x, g, beta, w, b, seed)
+FORWARD_NORM_BLOCK_QUANTIZE = Rule(
+    "forward_norm_block_quantize",
+    "forward",
+    P(block._block_linear, P(NORMS, "x", "g", ..., name="norm", out=0), ..., name="lin"),
+    _norm_block_quantize,
+    condition=first_reason(_block_recipe, stats_unused),
+    doc="norm feeding a block-scaled linear: the norm kernel writes its output and the block-quantized input",
+)
+
+# block_linear(activation(x), w, b, seed) -> forward_activation_block_linear(x, w, b, seed)
+FORWARD_ACTIVATION_BLOCK_QUANTIZE = Rule(
+    "forward_activation_block_quantize",
+    "forward",
+    P(block._block_linear, P(act._activation, "x", None, name="act"), ..., name="lin"),
+    _activation_block_quantize,
+    condition=first_reason(_interleaved, _block_recipe),
+    doc="activation feeding a block-scaled linear: the activation kernel emits the block-quantized input",
+)
+
 # activation(fp8_linear(x, w, b, state)) -> backward_fp8_linear_activation(x, w, b, state, None)
 BACKWARD_FP8_LINEAR_ACTIVATION = Rule(
     "backward_fp8_linear_activation",
@@ -131,6 +195,8 @@ BACKWARD_FP8_LINEAR_BIAS_ACTIVATION = Rule(
     doc="TE's window [linear, bias, activation] under FP8: dact + dbias + cast in one pass (BackwardActivationBias)",
 )
 
-FORWARD_QUANTIZE_RULES = RuleSet([FORWARD_NORM_QUANTIZE, FORWARD_ACTIVATION_QUANTIZE])
+FORWARD_QUANTIZE_RULES = RuleSet(
+    [FORWARD_NORM_QUANTIZE, FORWARD_NORM_BLOCK_QUANTIZE, FORWARD_ACTIVATION_QUANTIZE, FORWARD_ACTIVATION_BLOCK_QUANTIZE]
+)
 BACKWARD_QUANTIZE_RULES = RuleSet([BACKWARD_FP8_LINEAR_ACTIVATION, BACKWARD_FP8_LINEAR_BIAS_ACTIVATION])
 QUANTIZE_RULES = FORWARD_QUANTIZE_RULES + BACKWARD_QUANTIZE_RULES

@@ -1,0 +1,95 @@
+"""Fused ops around the block-scaled linear (FP8 block scaling, NVFP4): q-in forwards.
+
+A norm or an activation whose only consumer is a ``block_linear`` (``fp8_linear`` under
+:class:`functe.Float8BlockScaling` / :class:`functe.NVFP4BlockScaling`) emits the linear's row-wise
+(fprop) operand already block-quantized, in its own kernel, and the block GEMM takes it
+(:func:`functe.ops._block_linear.forward_quantized`, the tail of ``block_linear``'s forward rule).
+
+Unlike the per-tensor q-in ops (:mod:`functe.ops._fused_fp8`), these also produce the producer's
+high-precision output: the block recipes' backward quantizes the wgrad copy (``hᵀ`` with blocks
+along the tokens; NVFP4: after the random Hadamard transform with the linear's seed) from it, so it
+is ``block_linear``'s residual. Recomputing it in the backward instead is not open to a *forward*
+fusion: the backward plan is chosen independently and consumes exactly the covered ops' residuals
+(``docs/fusion.md``), and ``block_linear``'s backward reads ``h``.
+
+* **norm → block_linear**: one kernel writes ``y``, LayerNorm's statistics and the quantized
+  operand (:func:`functe._block_quantize.cast_norm_block`; NVFP4 runs the norm + amax kernel
+  first); the unfused pair reads ``y`` back once (FP8 block) or twice (NVFP4: amax, cast).
+* **activation → block_linear**: the activation op's forward writes ``h``; the activation + block
+  cast kernel (:func:`functe._block_quantize.cast_act_block`) computes the quantized operand from
+  the activation's *input*, as the per-tensor q-in does.
+
+Both equal the unfused pair bit for bit (outputs, residuals, gradients): the kernels round the
+producer's value to its dtype before the block amax and the cast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._block_quantize import cast_act_block, cast_norm_block, operand_dtype
+from .._vjp import custom_vjp
+from . import _activation as act
+from . import _block_linear as block
+from ._fused import _norm_backward, _rows
+
+Tensor = torch.Tensor
+
+
+# ----------------------------------------------------------------------------- q-in: norm -> block_linear
+
+
+def _forward_norm_block_linear_fwd(
+    x, norm_weight, norm_bias, weight, bias, seed, *, kind, eps, zero_centered_gamma, recipe
+):
+    h, xq, sx, _, stats = cast_norm_block(
+        _rows(x), norm_weight, norm_bias, kind, eps, zero_centered_gamma, recipe, "input", None,
+        operand_dtype(recipe, x.dtype),
+    )  # fmt: skip
+    y, lin_res = block.forward_quantized(h.view(x.shape), xq, sx, weight, bias, seed, recipe=recipe)
+    # The norm's residuals (its inputs, and LayerNorm's statistics in its output's shape), block_linear's.
+    norm_res = (x, norm_weight, *(s.view(x.shape[:-1]) for s in stats))
+    return y, (norm_res, lin_res)
+
+
+def _forward_norm_block_linear_bwd(res, dy, *, kind, eps, zero_centered_gamma, recipe):
+    # The unfused chain, backwards: block_linear (its wgrad copy from the saved norm output), norm.
+    norm_res, lin_res = res
+    dh, dweight, dbias, _ = block._block_linear.bwd(lin_res, dy, recipe=recipe)
+    dx, dnorm_w, dnorm_b = _norm_backward(kind, norm_res, dh, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    return dx, dnorm_w, dnorm_b, dweight, dbias, None
+
+
+forward_norm_block_linear = custom_vjp(
+    "forward_norm_block_linear", _forward_norm_block_linear_fwd, _forward_norm_block_linear_bwd
+)
+"""``block_linear(norm(x, norm_weight[, norm_bias]), weight, bias, seed)`` with the norm's output
+block-quantized in the norm kernel (q-in). Covers ``layer_norm | rms_norm, block_linear``."""
+
+
+# ----------------------------------------------------------------------------- q-in: activation -> block_linear
+
+
+def _forward_activation_block_linear_fwd(x, weight, bias, seed, *, name, limit, alpha, offset, recipe):
+    params = {"limit": limit, "alpha": alpha, "offset": offset}
+    h, act_res = act._activation.fwd(x, None, name=name, interleave=0, **params)  # block_linear's residual
+    xq, sx, _ = cast_act_block(_rows(x), name, recipe, "input", None, operand_dtype(recipe, x.dtype), **params)
+    y, lin_res = block.forward_quantized(h, xq, sx, weight, bias, seed, recipe=recipe)
+    return y, (act_res, lin_res)
+
+
+def _forward_activation_block_linear_bwd(res, dy, *, name, limit, alpha, offset, recipe):
+    act_res, lin_res = res
+    dh, dweight, dbias, _ = block._block_linear.bwd(lin_res, dy, recipe=recipe)
+    dx, _ = act._activation.bwd(act_res, dh, name=name, interleave=0, limit=limit, alpha=alpha, offset=offset)
+    return dx, dweight, dbias, None
+
+
+forward_activation_block_linear = custom_vjp(
+    "forward_activation_block_linear", _forward_activation_block_linear_fwd, _forward_activation_block_linear_bwd
+)
+"""``block_linear(act(x), weight, bias, seed)`` with the activation's output block-quantized in the
+activation kernel (q-in; elementwise, gated and clamped activations, chunked layout). Covers
+``activation, block_linear``."""
+
+__all__ = ["forward_activation_block_linear", "forward_norm_block_linear"]
