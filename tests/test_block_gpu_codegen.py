@@ -10,28 +10,18 @@ takes ~0.5-5 s). Numerics on a GPU remain untested (``docs/block_scaling.md``).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import triton
 import triton.language as tl
+from codegen_helpers import HAVE_PTXAS, ASTSource, GPUTarget
 
 from functe.kernels import block_quantize as bq
 from functe.kernels import hadamard as hd
 from functe.kernels import norm_block_quantize as nbq
 from functe.kernels import nvfp4 as nv
 
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    _HAVE = os.path.exists(_PTXAS)
-except ImportError:  # pragma: no cover - other Triton layouts
-    _HAVE = False
-
 pytestmark = [
-    pytest.mark.skipif(not _HAVE, reason="Triton's NVIDIA backend (ptxas) is not installed"),
+    pytest.mark.skipif(not HAVE_PTXAS, reason="Triton's NVIDIA backend (ptxas) is not installed"),
     pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset:UserWarning"),  # GPU launches see it too
 ]
 

@@ -14,28 +14,18 @@ so a new kernel cannot skip this check. Numerics on a GPU are not tested here.
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
 
 import pytest
 import torch
+from codegen_helpers import HAVE_PTXAS, ASTSource, GPUTarget, triton
 
 import functe
 from functe import ops
-from functe.kernels import _gemm_configs, _triton, gemm, gemm_fp8, norm_quantize
-
-triton = pytest.importorskip("triton")
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    _HAVE = os.path.exists(_PTXAS)
-except ImportError:  # pragma: no cover - other Triton layouts
-    _HAVE = False
+from functe.kernels import _gemm_configs, _triton, gemm, gemm_fp8, norm_block_quantize, norm_quantize
 
 pytestmark = [
-    pytest.mark.skipif(not _HAVE, reason="Triton's NVIDIA backend (ptxas) is not installed"),
+    pytest.mark.skipif(not HAVE_PTXAS, reason="Triton's NVIDIA backend (ptxas) is not installed"),
     pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset:UserWarning"),
 ]
 
@@ -167,6 +157,10 @@ def workload():
     x, w, b, scale = rand(4, 32).detach(), rand(32).detach(), rand(32).detach(), torch.ones(())
     for kind, beta in (("layer", b), ("rms", None)):
         norm_quantize.norm_cast_amax(x, w, beta, scale, 1e-5, kind, False, torch.float8_e4m3fn, torch.uint8, True)
+    # ... and its block-scaled siblings (FP8 1x128, NVFP4 1x16) on a 128-wide row.
+    x, w, b = rand(4, 128).detach(), rand(128).detach(), rand(128).detach()
+    norm_block_quantize.norm_fp8_block_cast(x, w, b, 1e-5, "layer", False, torch.float8_e4m3fn, torch.uint8, True, 0.0)
+    norm_block_quantize.norm_nvfp4_cast(x, w, None, torch.tensor(4.0), 1e-5, "rms", True, BF16)
 
     # The GEMM launchers (16-bit and FP8 operands, every epilogue and backward variant).
     a, wt, bias, res = rand(32, 64).detach(), rand(48, 64).detach(), rand(48).detach(), rand(32, 48).detach()
