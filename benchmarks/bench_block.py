@@ -236,6 +236,12 @@ def bench_gpu(n: int) -> str:
         "NVFP4 cast 1x16, SR": (lambda: nv.NVFP4_CAST(x, amax, seed, "", 0.0, 0.0, 0.0, 1, True, torch.uint8), 2.5625),
         "NVFP4 cast 16x16": (lambda: nv.NVFP4_CAST(x, amax, seed, "", 0.0, 0.0, 0.0, 16, False, torch.uint8), 2.5),
         "RHT (bf16 -> fp32)": (lambda: hd.RHT16(x, seed, False, torch.float32), 6.0),
+        # The activation + block cast keeping h (forward_activation_block_linear), gelu: x read, h written.
+        "FP8 block 1x128 + gelu, h kept": (
+            lambda: bq.FP8_BLOCK_ACT_CAST_KEEP(x, "gelu", 0.0, 0.0, 0.0, E4M3, E4M3, True, 0.0),
+            5 + 4 / 128,
+        ),
+        "NVFP4 amax pass + gelu, h kept": (lambda: qk.ACT_OUTPUT_AMAX(x, "gelu", 0.0, 0.0, 0.0), 4.0),
     }
     lines = [f"### Quantize kernels on {torch.cuda.get_device_name()}, {n}x{n} bf16 (copy: {copy_bw:.0f} GB/s)", ""]
     lines += ["| kernel | ms | GB/s | % of copy (goal >= 80%) |", "|---|---|---|---|"]
