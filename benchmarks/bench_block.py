@@ -107,6 +107,119 @@ def bench_cpu(n: int, rounds: int, *, cpu_time: bool) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- activation + block linear
+
+
+def _act_formula(x: torch.Tensor, act: str) -> torch.Tensor:
+    """The activation in plain torch (fp32 math, rounded to x's dtype): tanh GELU or SwiGLU."""
+    if act == "swiglu":
+        a, b = x.float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(a) * b).to(x.dtype)
+    return torch.nn.functional.gelu(x.float(), approximate="tanh").to(x.dtype)
+
+
+def _act_cases(x: torch.Tensor, w: torch.Tensor, act: str, recipe) -> dict[str, dict]:
+    """(activation + block cast, activation + block linear forward) -> {implementation: callable}.
+
+    ``fused`` is what functe.fuse runs (``cast_act_block_keep``: h and q from the quantizing kernels),
+    ``unfused`` the activation op then the block cast / ``block_linear``, ``previous fused`` the fused
+    op before this change (the activation op writes h, ``cast_act_block`` reads x again).
+    """
+    from functe._block_quantize import cast_act_block, cast_act_block_keep, cast_block, operand_dtype
+    from functe.kernels.activation import ACTIVATION
+    from functe.ops import _block_linear, _fused_block
+
+    nvfp4 = isinstance(recipe, functe.NVFP4BlockScaling)
+    seed = torch.tensor(7) if nvfp4 else None
+    dt, params = operand_dtype(recipe, x.dtype), (0.0, 0.0, 0.0)
+
+    def unfused_cast(x):
+        h = ACTIVATION(x, act, 0, *params)
+        return h, cast_block(h, recipe, "input", None, dt)
+
+    def previous_cast(x):
+        return ACTIVATION(x, act, 0, *params), cast_act_block(x, act, recipe, "input", None, dt, limit=0.0)
+
+    def cast_formula(h, rows):  # the block quantize of h (or w) in plain torch: the twins' whole-tensor formula
+        if not nvfp4:
+            return bq._fp8_block_rows(h, "", *params, E4M3, dt, rows, True, 0.0)[0], 1.0
+        ge, gd = nv.global_scales_ref(h.abs().amax().float())
+        return nv._nvfp4_rows(h, None, ge, gd, "", *params, rows, False, dt)[0], gd
+
+    def eager_cast(x):
+        h = _act_formula(x, act)
+        return h, cast_formula(h, 1)
+
+    def eager_linear(x):
+        _, (hq, gh) = eager_cast(x)
+        wq, gw = cast_formula(w, 16 if nvfp4 else 128)
+        return torch.nn.functional.linear(hq, wq).float().mul(gh * gw).to(x.dtype)
+
+    def fused_linear(x):
+        return _fused_block.forward_activation_block_linear(x, w, None, seed, name=act, recipe=recipe, **LIMITS)
+
+    def unfused_linear(x):
+        return functe.ops.fp8_linear(functe.ops.activation(x, act), w, None, None, recipe=recipe, seed=seed)
+
+    def previous_linear(x):
+        h, (xq, sx, _) = previous_cast(x)
+        return _block_linear.forward_quantized(h, xq, sx, w, None, seed, recipe=recipe)[0]
+
+    cases = {
+        "activation + block cast": {
+            "fused": lambda x: cast_act_block_keep(x, act, recipe, "input", None, dt, limit=0.0),
+            "unfused": unfused_cast,
+            "previous fused": previous_cast,
+            "torch eager": eager_cast,
+        },
+        "activation + block linear fwd": {
+            "fused": fused_linear,
+            "unfused": unfused_linear,
+            "previous fused": previous_linear,
+            "torch eager": eager_linear,
+        },
+    }
+    for impls in cases.values():
+        impls["torch compile"] = torch.compile(impls["torch eager"])
+        for name, fn in impls.items():
+            impls[name] = lambda fn=fn: fn(x)
+    return cases
+
+
+LIMITS = {"limit": 0.0, "alpha": 0.0, "offset": 0.0}
+
+
+def bench_act_cpu(tokens: int, hidden: int, out: int, rounds: int, *, cpu_time: bool) -> str:
+    """Fused activation + block cast / block linear forward vs unfused (and the previous fused op), no grad."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out, hidden, generator=gen).to(BF16)
+    how = "1 thread, CPU time" if cpu_time else "wall time"
+    lines = [
+        f"### Activation + block-scaled linear forward, {tokens} tokens x {hidden} -> {out}, bf16, no grad "
+        f"(cpu, {how})",
+        "",
+    ]
+    header = None
+    for recipe in (functe.Float8BlockScaling(), functe.NVFP4BlockScaling()):
+        for act in ("gelu", "swiglu"):
+            x = torch.randn(tokens, 2 * hidden if act == "swiglu" else hidden, generator=gen).to(BF16)
+            for case, impls in _act_cases(x, w, act, recipe).items():
+                if cpu_time:
+                    impls.pop("torch compile")
+                with torch.no_grad():
+                    times = _interleaved(impls, rounds, warmup=1, cpu_time=cpu_time)
+                if header is None:
+                    header = list(times)
+                    lines.append(
+                        "| recipe | act | case | " + " | ".join(f"{i} (ms)" for i in header) + " | fused / unfused |"
+                    )
+                    lines.append("|" + "---|" * (len(header) + 4))
+                cells = " | ".join(f"{times[i] * 1e3:.1f}" for i in header)
+                name = type(recipe).__name__.removesuffix("BlockScaling").replace("Float8", "FP8 block")
+                lines.append(f"| {name} | {act} | {case} | {cells} | {times['fused'] / times['unfused']:.2f}x |")
+    return "\n".join(lines)
+
+
 def bench_gpu(n: int) -> str:
     """Each quantize kernel's bandwidth against a copy (CUDA only), goal >= 80%."""
     x = torch.randn(n, n, device="cuda").to(BF16)
@@ -123,6 +236,12 @@ def bench_gpu(n: int) -> str:
         "NVFP4 cast 1x16, SR": (lambda: nv.NVFP4_CAST(x, amax, seed, "", 0.0, 0.0, 0.0, 1, True, torch.uint8), 2.5625),
         "NVFP4 cast 16x16": (lambda: nv.NVFP4_CAST(x, amax, seed, "", 0.0, 0.0, 0.0, 16, False, torch.uint8), 2.5),
         "RHT (bf16 -> fp32)": (lambda: hd.RHT16(x, seed, False, torch.float32), 6.0),
+        # The activation + block cast keeping h (forward_activation_block_linear), gelu: x read, h written.
+        "FP8 block 1x128 + gelu, h kept": (
+            lambda: bq.FP8_BLOCK_ACT_CAST_KEEP(x, "gelu", 0.0, 0.0, 0.0, E4M3, E4M3, True, 0.0),
+            5 + 4 / 128,
+        ),
+        "NVFP4 amax pass + gelu, h kept": (lambda: qk.ACT_OUTPUT_AMAX(x, "gelu", 0.0, 0.0, 0.0), 4.0),
     }
     lines = [f"### Quantize kernels on {torch.cuda.get_device_name()}, {n}x{n} bf16 (copy: {copy_bw:.0f} GB/s)", ""]
     lines += ["| kernel | ms | GB/s | % of copy (goal >= 80%) |", "|---|---|---|---|"]
@@ -136,15 +255,22 @@ def bench_gpu(n: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="1024x1024 (a quick check)")
+    parser.add_argument("--act", action="store_true", help="only the activation + block linear tables")
     args = parser.parse_args()
     n = 1024 if args.small else 4096
+    tokens, hidden, out = (512, 512, 128) if args.small else (2048, 2048, 256)
     print(machine())
-    print("(best of 5 interleaved rounds per case)")
+    print("(best of 5 interleaved rounds per case; 3 for the CPU-time tables)")
     print()
     with functe.use_backend("torch"):
-        print(bench_cpu(n, 5, cpu_time=False))
+        if not args.act:
+            print(bench_cpu(n, 5, cpu_time=False))
+            print()
+            print(bench_cpu(n, 3, cpu_time=True))
+            print()
+        print(bench_act_cpu(tokens, hidden, out, 5, cpu_time=False))
         print()
-        print(bench_cpu(n, 3, cpu_time=True))
+        print(bench_act_cpu(tokens, hidden, out, 3, cpu_time=True))
     if torch.cuda.is_available():
         print()
         print(bench_gpu(16384))

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import FuncteError, ShapeError, describe
+from ._errors import FuncteError, ShapeError, describe, dtype_error
 from ._recipe import Float8BlockScaling, NVFP4BlockScaling
-from .kernels.block_quantize import FP8_BLOCK_CAST, FP8_BLOCK_CAST_2D, FP8_BLOCK_DEQUANTIZE
+from .kernels.block_quantize import FP8_BLOCK_ACT_CAST_KEEP, FP8_BLOCK_CAST, FP8_BLOCK_CAST_2D, FP8_BLOCK_DEQUANTIZE
 from .kernels.hadamard import RHT16, RHT_SIZE
 from .kernels.norm_block_quantize import NORM_FP8_BLOCK_CAST, NORM_NVFP4_CAST
 from .kernels.norm_quantize import NORM_CAST_AMAX
 from .kernels.nvfp4 import NVFP4_CAST, NVFP4_DEQUANTIZE, global_scales_ref
-from .kernels.quantize import ACT_OUTPUT_CAST_AMAX, CAST_AMAX
+from .kernels.quantize import ACT_OUTPUT_AMAX, ACT_OUTPUT_CAST_AMAX, CAST_AMAX
 
 Tensor = torch.Tensor
 
@@ -74,6 +74,12 @@ def _quantize(x, act, params, recipe, role, out_dtype, seed, op="cast_block"):
         _, amax = ACT_OUTPUT_CAST_AMAX(x, one, act, *params, fp8, fp8, False)
     else:
         _, amax = CAST_AMAX(x, one, fp8, fp8, False)
+    return _nvfp4(x, amax, act, params, recipe, role, out_dtype, seed, op)
+
+
+def _nvfp4(x, amax, act, params, recipe, role, out_dtype, seed, op):
+    """NVFP4's second pass, given the tensor amax: (q, global encode scale, amax, block scales)."""
+    rows, _ = recipe.block_shape(role)
     stochastic = _stochastic(recipe, role)
     if stochastic and seed is None:
         raise FuncteError(
@@ -94,6 +100,12 @@ def _check(x: Tensor, recipe: BlockRecipe, role: str, scale, op: str) -> None:
         raise ShapeError(
             f"functe.{op}: argument 'x' expected a matrix for role {role!r} (2-D blocks), got {describe(x)}"
         )
+
+
+def _check_act(x: Tensor, recipe: BlockRecipe, role: str, scale, op: str) -> None:
+    _check(x, recipe, role, scale, op)
+    if recipe.block_shape(role)[0] > 1:
+        raise FuncteError(f"functe.{op}: role {role!r} uses 2-D blocks; activations are 1-D blocked inputs")
 
 
 def cast_block(x: Tensor, recipe: BlockRecipe, role: str, scale: None, out_dtype: torch.dtype, *, seed=None):
@@ -122,11 +134,48 @@ def cast_act_block(
     any elementwise or gated activation of :mod:`functe.kernels._act`, or ``"clamped_swiglu"``.
     Activations feed a GEMM as its input, so ``role`` must not be ``"weight"``.
     """
-    _check(x, recipe, role, scale, "cast_act_block")
-    if recipe.block_shape(role)[0] > 1:
-        raise FuncteError(f"functe.cast_act_block: role {role!r} uses 2-D blocks; activations are 1-D blocked inputs")
+    _check_act(x, recipe, role, scale, "cast_act_block")
     q, s, amax, _ = _quantize(x, act, (limit, alpha, offset), recipe, role, out_dtype, None)
     return q, s, amax
+
+
+def cast_act_block_keep(
+    x: Tensor,
+    act: str,
+    recipe: BlockRecipe,
+    role: str,
+    scale: None,
+    out_dtype: torch.dtype,
+    *,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    offset: float = 1.0,
+):
+    """:func:`cast_act_block` that also returns the activation's output: ``(h, q, scale, amax)``.
+
+    ``h`` is ``act(x)`` in x's dtype, the activation op's output bit for bit, and ``q, scale, amax``
+    equal ``cast_block(h, ...)`` bit for bit; ``h`` is written by the quantizing kernels themselves:
+
+    * FP8 block scaling: **one kernel** reads ``x`` and writes ``h``, ``q`` and the 1x128 block
+      scales (``FP8_BLOCK_ACT_CAST_KEEP``);
+    * NVFP4: the amax pass writes ``h`` (``ACT_OUTPUT_AMAX``: ``x`` read, ``h`` written, the tensor
+      amax), then the cast reads ``h`` (``NVFP4_CAST``, no activation recomputed).
+
+    So the activation + its block cast moves, per output element, ``x`` once and ``h`` once (+ ``h``
+    read again for NVFP4's second pass) instead of the activation op's ``x`` + ``h`` followed by the
+    cast's reads of ``h`` (one, NVFP4: two). Inputs f32/f16/bf16 (the block recipes' dtypes).
+    """
+    _check_act(x, recipe, role, scale, "cast_act_block_keep")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):  # the kernels' h is computed in fp32
+        raise dtype_error("cast_act_block_keep", "x", "dtype f32|f16|bf16", x)
+    params = (limit, alpha, offset)
+    if isinstance(recipe, Float8BlockScaling):
+        qdtype, pow2, eps = recipe.dtype(role), recipe.power_2_scales, float(recipe.amax_epsilon)
+        h, q, _ = FP8_BLOCK_ACT_CAST_KEEP(x, act, *params, qdtype, out_dtype, pow2, eps)
+        return h, q, None, None
+    h, amax = ACT_OUTPUT_AMAX(x, act, *params)
+    q, s, amax, _ = _nvfp4(h, amax, *_NO_ACT, recipe, role, out_dtype, None, "cast_act_block_keep")
+    return h, q, s, amax
 
 
 def cast_norm_block(

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from codegen_helpers import HAVE_PTXAS, ASTSource, GPUTarget
 
+from functe.kernels import _act
 from functe.kernels import block_quantize as bq
 from functe.kernels import hadamard as hd
 from functe.kernels import norm_block_quantize as nbq
@@ -29,6 +30,7 @@ _FP8_ARGS = {
     "X": "*bf16",
     "Q": "*u8",
     "S": "*fp32",
+    "H": "*fp32",  # unused without KEEP (the launcher passes the scales)
     "n_rows": "i32",
     "n_cols": "i32",
     "n_blocks": "i32",
@@ -40,7 +42,7 @@ _FP8_ARGS = {
 }
 _FP8_CONST = dict(
     MODE=0, ACT=0, GATED=False, CLAMPED=False, TILE_ROWS=1, ROW_CHUNK=1, POW2=True, MANT=3, BIAS=7,
-    MIN_NORMAL=2.0**-6, SUB_STEPS=512.0, MAXV=448.0, DEQUANT=False, BLOCK_RB=8, BLOCK_CB=2,
+    MIN_NORMAL=2.0**-6, SUB_STEPS=512.0, MAXV=448.0, DEQUANT=False, KEEP=False, BLOCK_RB=8, BLOCK_CB=2,
 )  # fmt: skip
 _NV_ARGS = {
     "X": "*bf16",
@@ -99,6 +101,11 @@ VARIANTS = {
         bq._fp8_block_kernel,
         _FP8_ARGS,
         {**_FP8_CONST, "MODE": 1, "GATED": True, "CLAMPED": True},
+    ),
+    "fp8_1x128_gelu_keep": (  # the activation's output stored too (cast_act_block_keep)
+        bq._fp8_block_kernel,
+        {**_FP8_ARGS, "Q": "*bf16", "H": "*bf16"},
+        {**_FP8_CONST, "MODE": 1, "ACT": _act.ACTIVATIONS["gelu"], "DEQUANT": True, "KEEP": True},
     ),
     "fp8_128x128": (
         bq._fp8_block_kernel,

@@ -16,6 +16,9 @@ from fuse_helpers import draw
 
 import functe
 from functe import ops
+from functe.kernels import _act
+from functe.ops import _activation as act_ops
+from functe.ops import _block_linear as block_ops
 from functe.ops import _fused_block
 from functe.ops import _norm as norm_ops
 from functe.rules import DEFAULT_RULES, RuleSet, rewrite
@@ -276,3 +279,45 @@ def test_the_forward_residuals_are_the_covered_ops_residuals():
                 assert a == b, e.name
         checked += 1
     assert checked == 2
+
+
+ACTS = [*_act.ACTIVATIONS, *_act.GATED, "clamped_swiglu"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_activation_block_linear_every_activation_bit_for_bit(recipe, backend):
+    """``forward_activation_block_linear`` takes ``h`` from the quantizing kernels (``cast_act_block_keep``):
+    its residuals (``h`` among them), output and every gradient equal the activation op followed by
+    ``block_linear`` bit for bit, for every activation (elementwise, gated, clamped), fp32 and bf16.
+    Through the interpreter the gradients of three of them (equal residuals feed the same backward
+    rule; ``test_block_q_in_equals_the_unfused_program_bit_for_bit`` runs two more through fusion)."""
+    gen = torch.Generator().manual_seed(5)
+    seed = _seed(recipe)
+    with_grads = set(ACTS) if backend == "torch" else {"srelu", "geglu", "clamped_swiglu"}
+    for i, name in enumerate(ACTS):
+        dtype = BF16 if i % 2 else torch.float32
+        gated = name in _act.GATED or name == "clamped_swiglu"
+        params = {"limit": 2.0, "alpha": 1.702, "offset": 1.0} if name == "clamped_swiglu" else dict.fromkeys(
+            ("limit", "alpha", "offset"), 0.0
+        )  # fmt: skip
+        x = (draw((2, 3, 64 if gated else 32), dtype, gen) * 8 - 4).to(dtype)
+        w, b = draw((16, 32), dtype, gen), (draw((16,), dtype, gen) if i % 3 else None)
+        ct = draw((2, 3, 16), dtype, gen)
+
+        def fused(x, w, b, name=name, params=params):
+            return _fused_block.forward_activation_block_linear(x, w, b, seed, name=name, recipe=recipe, **params)
+
+        def unfused(x, w, b, name=name, params=params):
+            h = act_ops._activation(x, None, name=name, interleave=0, **params)
+            return block_ops.block_linear(h, w, b, recipe=recipe, seed=seed)
+
+        args = [x, w, b]
+        if name in with_grads:
+            _assert_bitwise(_vjp_all(fused, args, ct), _vjp_all(unfused, args, ct), f"{name} {dtype}")
+        y, res = _fused_block.forward_activation_block_linear.fwd(x, w, b, seed, name=name, recipe=recipe, **params)
+        h, act_res = act_ops._activation.fwd(x, None, name=name, interleave=0, **params)
+        y_ref, lin_res = block_ops._block_linear.fwd(h, w, b, seed, recipe=recipe)
+        got, expected = functe.tree_leaves((y, res)), functe.tree_leaves((y_ref, (act_res, lin_res)))
+        assert len(got) == len(expected), name
+        for a, e in zip(got, expected):
+            assert torch.equal(a, e) if isinstance(a, torch.Tensor) else a == e, f"residual of {name} {dtype}"

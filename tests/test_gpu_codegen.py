@@ -14,6 +14,7 @@ so a new kernel cannot skip this check. Numerics on a GPU are not tested here.
 from __future__ import annotations
 
 import importlib
+import itertools
 import pkgutil
 
 import pytest
@@ -22,6 +23,7 @@ from codegen_helpers import HAVE_PTXAS, ASTSource, GPUTarget, triton
 
 import functe
 from functe import ops
+from functe._block_quantize import cast_act_block_keep
 from functe.kernels import _gemm_configs, _triton, gemm, gemm_fp8, norm_block_quantize, norm_quantize
 
 pytestmark = [
@@ -161,6 +163,10 @@ def workload():
     x, w, b = rand(4, 128).detach(), rand(128).detach(), rand(128).detach()
     norm_block_quantize.norm_fp8_block_cast(x, w, b, 1e-5, "layer", False, torch.float8_e4m3fn, torch.uint8, True, 0.0)
     norm_block_quantize.norm_nvfp4_cast(x, w, None, torch.tensor(4.0), 1e-5, "rms", True, BF16)
+    # The activation + block cast that writes the activation too (forward_activation_block_linear):
+    # FP8 block's one kernel with KEEP, NVFP4's amax pass that stores h; elementwise and gated.
+    for recipe, act in itertools.product((functe.Float8BlockScaling(), functe.NVFP4BlockScaling()), ("gelu", "swiglu")):
+        cast_act_block_keep(rand(4, 256 if act == "swiglu" else 128).detach(), act, recipe, "input", None, BF16)
 
     # The GEMM launchers (16-bit and FP8 operands, every epilogue and backward variant).
     a, wt, bias, res = rand(32, 64).detach(), rand(48, 64).detach(), rand(48).detach(), rand(32, 48).detach()

@@ -35,6 +35,7 @@ import triton.language as tl
 from .._kernel import Kernel, Rowwise
 from . import _act, _fast
 from ._triton import jit, next_power_of_2
+from .activation import activation_ref
 from .quantize import (
     CLAMPED_SWIGLU,
     FP8_FORMATS,
@@ -159,6 +160,7 @@ def _fp8_block_kernel(
     X,
     Q,
     S,
+    H,
     n_rows,
     n_cols,
     n_blocks,
@@ -180,11 +182,14 @@ def _fp8_block_kernel(
     SUB_STEPS: tl.constexpr,
     MAXV: tl.constexpr,
     DEQUANT: tl.constexpr,
+    KEEP: tl.constexpr,
     BLOCK_RB: tl.constexpr,
     BLOCK_CB: tl.constexpr,
 ):
     # Program (i, j): BLOCK_RB scaling blocks of TILE_ROWS rows x BLOCK_CB blocks of 128 columns,
     # held as 4-D tiles [block row, row in block, block column, column in block], ROW_CHUNK rows at a time.
+    # KEEP (1x128 blocks only): also store v itself in H (x's dtype; v is already rounded to it, so the
+    # store is exact): the activation's output and its quantized copy from one read of x.
     rb = tl.program_id(0).to(tl.int64) * BLOCK_RB + tl.arange(0, BLOCK_RB)
     cb = tl.program_id(1) * BLOCK_CB + tl.arange(0, BLOCK_CB)
     cols = (cb[:, None] * 128 + tl.arange(0, 128)[None, :])[None, None, :, :]
@@ -193,6 +198,8 @@ def _fp8_block_kernel(
         rows = (rb[:, None] * TILE_ROWS + tl.arange(0, ROW_CHUNK)[None, :])[:, :, None, None]
         mask = (rows < n_rows) & col_ok
         v = act_value(X, rows * x_row_stride + cols, mask, n_cols, limit, alpha, offset, MODE, ACT, GATED, CLAMPED)
+        if KEEP:
+            tl.store(H + rows * n_cols + cols, v.to(H.dtype.element_ty), mask=mask)
         scale, scale_inv = fp8_block_scale(nan_max(nan_max(v, 3), 1), eps, MAXV, POW2)
         _fp8_block_store(
             Q, v, rows * n_cols + cols, mask, scale, scale_inv, MANT, BIAS, MIN_NORMAL, SUB_STEPS, MAXV, DEQUANT
@@ -217,16 +224,19 @@ def _fp8_block_kernel(
     tl.store(S + rb[:, None] * n_blocks + cb[None, :], scale_inv, mask=smask)
 
 
-def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
+def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps, keep=False):
+    """``(q, scale_inv)``, and with ``keep`` (1x128 blocks) ``(h, q, scale_inv)``: ``h = v`` in x's dtype."""
     act_id, gated, clamped, n_cols = act_layout(x, act)
     rows = rows_2d(x.contiguous())
     n_rows, in_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
     q = torch.empty((*x.shape[:-1], n_cols), dtype=out_dtype, device=x.device)
+    h = torch.empty(q.shape if keep else (0,), dtype=x.dtype, device=x.device)
     lead = x.shape[:-1] if block_rows == 1 else (triton.cdiv(n_rows, block_rows),)
     scale_inv = torch.empty((*lead, n_blocks), dtype=torch.float32, device=x.device)
+    outputs = (h, q, scale_inv) if keep else (q, scale_inv)
     if q.numel() == 0:
-        return q, scale_inv
+        return outputs
     fmt = FP8_FORMATS[qdtype]
     if block_rows == 1:
         block_cb = min(next_power_of_2(n_blocks), 2)
@@ -238,6 +248,7 @@ def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_row
         rows,
         _storage(q),
         scale_inv,
+        h if keep else scale_inv,  # (an unused pointer when not keeping)
         n_rows,
         n_cols,
         n_blocks,
@@ -259,10 +270,11 @@ def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_row
         SUB_STEPS=fmt.sub_steps,
         MAXV=fmt.max,
         DEQUANT=out_dtype not in FP8_FORMATS,
+        KEEP=keep,
         BLOCK_RB=block_rb,
         BLOCK_CB=block_cb,
     )
-    return q, scale_inv
+    return outputs
 
 
 # ----------------------------------------------------------------------------- twins
@@ -413,6 +425,43 @@ def fp8_block_cast_ref(
     return _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, 1, pow2, eps)
 
 
+def fp8_block_act_cast_keep(
+    x: Tensor,
+    act: str,
+    limit: float,
+    alpha: float,
+    offset: float,
+    qdtype: torch.dtype,
+    out_dtype: torch.dtype,
+    pow2: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(h, q, scale_inv)``: :func:`fp8_block_cast` of ``v = act(x)`` that also stores ``h = v`` in x's dtype.
+
+    ``h`` is the activation op's output bit for bit (``ACTIVATION(x, act, 0, ...)``; 16- and 32-bit
+    inputs), ``q, scale_inv`` equal ``fp8_block_cast(h, "", ...)``: the activation and its 1x128 block
+    cast in one pass, reading ``x`` once (per output element: ``x`` read, ``h`` and ``q`` written).
+    """
+    return _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, 1, pow2, eps, keep=True)
+
+
+def fp8_block_act_cast_keep_ref(
+    x: Tensor,
+    act: str,
+    limit: float,
+    alpha: float,
+    offset: float,
+    qdtype: torch.dtype,
+    out_dtype: torch.dtype,
+    pow2: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PyTorch twin of :func:`fp8_block_act_cast_keep`: the activation twin, then the cast twin of its output."""
+    h = activation_ref(x, act, 0, limit, alpha, offset) if act else x.clone(memory_format=torch.contiguous_format)
+    q, scale_inv = _fp8_block_ref(h, "", 0.0, 0.0, 0.0, qdtype, out_dtype, 1, pow2, eps)
+    return h, q, scale_inv
+
+
 def fp8_block_cast_2d(
     x: Tensor, qdtype: torch.dtype, out_dtype: torch.dtype, pow2: bool, eps: float
 ) -> tuple[Tensor, Tensor]:
@@ -525,5 +574,8 @@ def fp8_block_dequantize_ref(data: Tensor, scale_inv: Tensor, block_rows: int, o
 
 
 FP8_BLOCK_CAST = Kernel("fp8_block_cast", fp8_block_cast, fp8_block_cast_ref, batch=Rowwise())
+FP8_BLOCK_ACT_CAST_KEEP = Kernel(
+    "fp8_block_act_cast_keep", fp8_block_act_cast_keep, fp8_block_act_cast_keep_ref, batch=Rowwise()
+)
 FP8_BLOCK_CAST_2D = Kernel("fp8_block_cast_2d", fp8_block_cast_2d, fp8_block_cast_2d_ref)
 FP8_BLOCK_DEQUANTIZE = Kernel("fp8_block_dequantize", fp8_block_dequantize, fp8_block_dequantize_ref)

@@ -488,6 +488,26 @@ def act_output_cast_amax_ref(
     return cast_amax_ref(activation_ref(x, act, 0, limit, alpha, offset), scale, qdtype, out_dtype, write)
 
 
+def act_output_amax(x: Tensor, act: str, limit: float, alpha: float, offset: float) -> tuple[Tensor, Tensor]:
+    """``(h, amax)``: the activation's output ``h = act(x)`` in x's dtype and ``amax = max|h|``, one pass.
+
+    ``h`` is the activation op's output bit for bit (16- and 32-bit inputs) and ``amax`` what
+    :func:`cast_amax` measures on it: the first pass of a two-pass quantize (NVFP4) that writes the
+    activation instead of only recomputing it, so the second pass reads ``h`` (half of a gated ``x``).
+    """
+    h, _, amax = _launch(
+        x, None, _ONE.to(x.device), _MODE_ACT, act, limit, alpha, offset, torch.float8_e4m3fn, x.dtype, True, False,
+        round_=True, cast=False,
+    )  # fmt: skip
+    return h, amax
+
+
+def act_output_amax_ref(x: Tensor, act: str, limit: float, alpha: float, offset: float) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of :func:`act_output_amax`: the activation twin, then the amax of its output."""
+    h = activation_ref(x, act, 0, limit, alpha, offset)
+    return h, amax_ref(h)
+
+
 def dact_output_dbias_cast_amax(
     dy: Tensor, x: Tensor, scale: Tensor, act: str, qdtype: torch.dtype, out_dtype: torch.dtype, write: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -664,6 +684,7 @@ DBIAS_CAST_AMAX = Kernel("fp8_dbias_cast_amax", dbias_cast_amax, dbias_cast_amax
 DACT_DBIAS_CAST_AMAX = Kernel("fp8_dact_dbias_cast_amax", dact_dbias_cast_amax, dact_dbias_cast_amax_ref)
 MXFP8_CAST = Kernel("mxfp8_cast", mxfp8_cast, mxfp8_cast_ref, batch=Rowwise())
 ACT_OUTPUT_CAST_AMAX = Kernel("fp8_act_output_cast_amax", act_output_cast_amax, act_output_cast_amax_ref)
+ACT_OUTPUT_AMAX = Kernel("act_output_amax", act_output_amax, act_output_amax_ref)
 DACT_OUTPUT_DBIAS_CAST_AMAX = Kernel(
     "fp8_dact_output_dbias_cast_amax", dact_output_dbias_cast_amax, dact_output_dbias_cast_amax_ref
 )

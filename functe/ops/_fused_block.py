@@ -15,9 +15,10 @@ fusion: the backward plan is chosen independently and consumes exactly the cover
 * **norm → block_linear**: one kernel writes ``y``, LayerNorm's statistics and the quantized
   operand (:func:`functe._block_quantize.cast_norm_block`; NVFP4 runs the norm + amax kernel
   first); the unfused pair reads ``y`` back once (FP8 block) or twice (NVFP4: amax, cast).
-* **activation → block_linear**: the activation op's forward writes ``h``; the activation + block
-  cast kernel (:func:`functe._block_quantize.cast_act_block`) computes the quantized operand from
-  the activation's *input*, as the per-tensor q-in does.
+* **activation → block_linear**: the quantizing kernels write ``h`` themselves
+  (:func:`functe._block_quantize.cast_act_block_keep`): FP8 block scaling one kernel (``x`` read,
+  ``h``, ``q`` and the block scales written); NVFP4 the amax pass writes ``h`` and the cast reads it
+  back once. The unfused pair reads ``h`` back once (FP8 block) or twice (NVFP4) more.
 
 Both equal the unfused pair bit for bit (outputs, residuals, gradients): the kernels round the
 producer's value to its dtype before the block amax and the cast.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .._block_quantize import cast_act_block, cast_norm_block, operand_dtype
+from .._block_quantize import cast_act_block_keep, cast_norm_block, operand_dtype
 from .._vjp import custom_vjp
 from . import _activation as act
 from . import _block_linear as block
@@ -71,11 +72,13 @@ block-quantized in the norm kernel (q-in). Covers ``layer_norm | rms_norm, block
 
 
 def _forward_activation_block_linear_fwd(x, weight, bias, seed, *, name, limit, alpha, offset, recipe):
+    # h (block_linear's residual: its wgrad copy) comes out of the quantizing kernels, bit for bit the
+    # activation op's output: FP8 block one kernel, NVFP4 the amax pass writes it and the cast reads it.
     params = {"limit": limit, "alpha": alpha, "offset": offset}
-    h, act_res = act._activation.fwd(x, None, name=name, interleave=0, **params)  # block_linear's residual
-    xq, sx, _ = cast_act_block(_rows(x), name, recipe, "input", None, operand_dtype(recipe, x.dtype), **params)
-    y, lin_res = block.forward_quantized(h, xq, sx, weight, bias, seed, recipe=recipe)
-    return y, (act_res, lin_res)
+    dtype = operand_dtype(recipe, x.dtype)
+    h, xq, sx, _ = cast_act_block_keep(_rows(x), name, recipe, "input", None, dtype, **params)
+    y, lin_res = block.forward_quantized(h.view(*x.shape[:-1], h.shape[-1]), xq, sx, weight, bias, seed, recipe=recipe)
+    return y, ((x, None), lin_res)  # (x, None): the activation op's residuals (its input, no row scale)
 
 
 def _forward_activation_block_linear_bwd(res, dy, *, name, limit, alpha, offset, recipe):
