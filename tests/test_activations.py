@@ -28,7 +28,7 @@ import functe
 from functe import ops
 from functe.testing import assert_close
 
-ELEMENTWISE = [(37,), (2, 13), (32, 1, 32), (0, 13)]
+ELEMENTWISE = [(37,), (2, 13), (32, 1, 32), (0, 13), (3, 0)]  # (3, 0): an empty last dimension
 GATED = [(74,), (2, 26), (32, 1, 64), (0, 26)]
 GATED_K4 = [(72,), (2, 24), (32, 1, 64), (0, 24)]  # H divisible by 4
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton.language as tl
 
@@ -35,4 +37,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     stride-0 expansion), so every launcher goes through this.
     """
     x = x.contiguous()
-    return x.view(-1, x.shape[-1]) if x.dim() > 0 else x.view(1, 1)
+    if x.dim() == 0:
+        return x.view(1, 1)
+    # (the row count is explicit: view(-1, 0) is ambiguous for an empty last dimension)
+    return x.view(math.prod(x.shape[:-1]), x.shape[-1])

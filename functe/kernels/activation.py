@@ -28,6 +28,8 @@ the launcher adds the partials (deterministic, no atomics).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -455,7 +457,7 @@ def _clamped_vjp_into(g, a, b, limit, alpha, offset, da, db, tmp):
 
 def _lanes(x: Tensor, name: str, interleave: int) -> tuple[Tensor, Tensor | None]:
     """Views ``[R, blocks, k]`` of the activated input and (gated) the linear half."""
-    rows = x.reshape(-1, x.shape[-1] if x.dim() else 1)
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else x.reshape(1, 1)
     if not is_gated(name):
         return rows.unsqueeze(1), None
     h = rows.shape[1] // 2
