@@ -93,13 +93,19 @@ def _index_of(value: Tensor, candidates) -> int:
     return -1
 
 
-def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, list, _Layout]:
-    """Run the forward rule on flat leaves; return (out leaves, new residuals, layout)."""
-    args = tree_unflatten(call.in_tree, leaves)
-    result = fwd(*args, **call.static)
+def _split_result(name: str, result) -> tuple[Any, Any]:
+    """The forward rule's ``(out, residuals)``, or a clear error."""
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError(f"functe.{name}: the forward rule must return (out, residuals), got {describe(result)}")
-    out, res = result
+    return result
+
+
+def _output_leaves(name: str, out, leaves) -> tuple[list, PyTreeSpec]:
+    """``out``'s leaves (checked: tensors or None) and structure, inputs among them as views.
+
+    An output that is an input object would make autograd treat the op as an
+    in-place one; a view keeps the op functional and costs nothing.
+    """
     # The common case without a pytree walk (not while compiling: Dynamo models
     # optree with its own spec objects and cannot use a spec made outside).
     if isinstance(out, Tensor) and not torch.compiler.is_compiling():
@@ -109,9 +115,19 @@ def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, l
         for leaf in out_leaves:
             if leaf is not None and not isinstance(leaf, Tensor):
                 raise TypeError(f"functe.{name}: forward outputs must be tensors or None, got {describe(leaf)}")
+    out_leaves = [o.view_as(o) if isinstance(o, Tensor) and _index_of(o, leaves) >= 0 else o for o in out_leaves]
+    return out_leaves, out_tree
+
+
+def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, list, _Layout]:
+    """Run the forward rule on flat leaves; return (out leaves, new residuals, layout)."""
+    args = tree_unflatten(call.in_tree, leaves)
+    out, res = _split_result(name, fwd(*args, **call.static))
+    out_leaves, out_tree = _output_leaves(name, out, leaves)
     res_leaves, res_tree = tree_flatten(res)
     plan, new = [], []
     for r in res_leaves:
+        # (inputs first: a residual that is an input returned as an output is saved as the input)
         if not isinstance(r, Tensor):
             plan.append((_CONST, r))
         elif (i := _index_of(r, leaves)) >= 0:
@@ -123,9 +139,6 @@ def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, l
         else:
             plan.append((_NEW, len(new)))
             new.append(r)
-    # An output that is an input object would make autograd treat the op as
-    # an in-place one; a view keeps the op functional and costs nothing.
-    out_leaves = [o.view_as(o) if isinstance(o, Tensor) and _index_of(o, leaves) >= 0 else o for o in out_leaves]
     layout = _Layout(out_tree, len(out_leaves), res_tree, tuple(plan), len(new))
     return out_leaves, new, layout
 
@@ -181,38 +194,23 @@ class CustomVJP:
             if traced is not NotImplemented:
                 return traced
         leaves, in_tree = tree_flatten(args)
-        if _nothing_records(leaves):
-            return self._forward_only(args, static, leaves)
+        mode = _call_mode(leaves)
+        if mode is _FORWARD_ONLY:
+            # Nothing will ask for a backward: the forward rule alone, its residuals dropped (the
+            # Function would add ~12 us of Python per op for the same values).
+            out, _ = _split_result(self.name, self.fwd(*args, **static))
+            out_leaves, out_tree = _output_leaves(self.name, out, leaves)
+            return out_leaves[0] if out_tree is _LEAF else tree_unflatten(out_tree, out_leaves)
         call = _Call(in_tree, static)
-        if torch.compiler.is_compiling():
+        if mode is _COMPILED:
             _refuse_compiled_transforms(self.name)
             results = self.compiled_function.apply(call, *leaves)
-        elif _plain_eager(leaves):
+        elif mode is _EAGER:
             results = self._eager_apply(call, *leaves)
         else:
             results = self.function.apply(call, *leaves)
         layout = results[-1]
         return tree_unflatten(layout.out_tree, results[: layout.n_out])
-
-    def _forward_only(self, args, static, leaves):
-        # Nothing will ask for a backward: the forward rule alone, its residuals dropped. The
-        # Function would add ~15 us of Python per op for the same values.
-        result = self.fwd(*args, **static)
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise TypeError(
-                f"functe.{self.name}: the forward rule must return (out, residuals), got {describe(result)}"
-            )
-        out = result[0]
-        if isinstance(out, Tensor):
-            return out.view_as(out) if _index_of(out, leaves) >= 0 else out
-        out_leaves, out_tree = tree_flatten(out)
-        fresh = []
-        for leaf in out_leaves:
-            if leaf is not None and not isinstance(leaf, Tensor):
-                raise TypeError(f"functe.{self.name}: forward outputs must be tensors or None, got {describe(leaf)}")
-            # (an output that is an input object is returned as a view, as the Function path does)
-            fresh.append(leaf.view_as(leaf) if leaf is not None and _index_of(leaf, leaves) >= 0 else leaf)
-        return tree_unflatten(out_tree, fresh)
 
     def __repr__(self):
         return f"custom_vjp({self.name})"
@@ -272,27 +270,29 @@ _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-def _nothing_records(leaves) -> bool:
-    """True when no autograd mode can see this call: grad disabled or no input requiring grad, no
-    torch.func transform, no forward-mode dual level, not compiling (Dynamo traces the Function)."""
-    if torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0:
-        return False
+_FORWARD_ONLY, _EAGER, _FUNCTION, _COMPILED = "forward only", "eager", "function", "compiled"
+
+
+def _call_mode(leaves) -> str:
+    """How a call runs, decided in one pass over its leaves.
+
+    ``_COMPILED`` while Dynamo traces (the Function without ``jvp``); ``_FUNCTION`` (the Python
+    ``Function.apply``) under a ``torch.func`` transform or with a (dead) functorch wrapper among the
+    arguments; ``_EAGER`` (the C ``apply``) when autograd records, through grad mode and an input
+    requiring grad or through a forward-mode dual level; else ``_FORWARD_ONLY``.
+    """
     if torch.compiler.is_compiling():
-        return False
-    grad = torch.is_grad_enabled()
-    for leaf in leaves:
-        if isinstance(leaf, Tensor) and ((grad and leaf.requires_grad) or _is_wrapped(leaf)):
-            return False
-    return True
-
-
-def _plain_eager(leaves) -> bool:
+        return _COMPILED
     if torch._C._are_functorch_transforms_active():
-        return False
+        return _FUNCTION
+    grad = torch.is_grad_enabled()
+    records = _forward_ad._current_level >= 0
     for leaf in leaves:
-        if isinstance(leaf, Tensor) and _is_wrapped(leaf):
-            return False
-    return True
+        if isinstance(leaf, Tensor):
+            if _is_wrapped(leaf):
+                return _FUNCTION
+            records = records or (grad and leaf.requires_grad)
+    return _EAGER if records else _FORWARD_ONLY
 
 
 class _HigherOrderGuard(torch.autograd.Function):
