@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import functe
 from functe import ops
 
-from ._harness import machine, table
+from ._harness import machine, per_call, table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -91,25 +91,6 @@ def _fwd_bwd(fn, x, p, cotangent):
         torch.autograd.grad(fn(x, p), leaves, cotangent, allow_unused=True)
 
     return step
-
-
-def per_call(fn, *, calls: int = 200, rounds: int = 15) -> float:
-    """CPU seconds of this thread per call: the best of ``rounds`` batches of ``calls`` calls.
-
-    The fixed cost of a call is CPU time on the calling thread; measuring it
-    with the thread's CPU clock keeps other processes on a shared machine out
-    of the numbers (wall time at microsecond scale mostly measures the
-    scheduler). On a GPU this is the host-side cost of launching the work.
-    """
-    for _ in range(calls):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.thread_time()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.thread_time() - start) / calls)
-    return best
 
 
 def interleaved(steps: dict, *, reps: int) -> tuple[dict, dict]:

@@ -10,21 +10,19 @@ At tiny shapes the time is the Python and dispatch around the math, which is wha
 
 and in ``eager`` (plain torch: ``F.linear``, ``F.gelu(tanh)``, ``F.layer_norm``), ``functe`` (the
 same code with functe ops) and, in autograd mode, ``compile`` (``torch.compile`` of the plain code).
-Times are the best of 5 rounds of many calls, one thread.
+Times are thread CPU time per call, the best of 15 rounds of 200 calls (``_harness.per_call``), one thread.
 
 Run: ``python -m benchmarks.bench_overhead``.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 from functe import ops
 
-from ._harness import machine, table
+from ._harness import machine, per_call, table
 
 
 def _case_inputs():
@@ -57,17 +55,6 @@ CASES = {
 }
 
 
-def best_time(fn, *, calls: int = 300, rounds: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
-
-
 def _modes(fn, x, p):
     leaves = [x, *p.values()]
 
@@ -94,14 +81,14 @@ def main():
         eager, functe_modes = _modes(torch_fn, x, p), _modes(functe_fn, x, p)
         compiled = _modes(torch.compile(torch_fn), x, p)["autograd"]
         for mode in eager:
-            impls = {"eager": best_time(eager[mode]), "functe": best_time(functe_modes[mode])}
+            impls = {"eager": per_call(eager[mode]), "functe": per_call(functe_modes[mode])}
             if mode == "autograd":
-                impls["compile"] = best_time(compiled)
+                impls["compile"] = per_call(compiled)
             tables.setdefault(mode, []).append((case, impls))
             print(f"  {case} / {mode}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in impls.items()), flush=True)
     for mode, rows in tables.items():
         print()
-        print(table(f"Per-call time, {mode}, x f32[16,32] (best of 5 rounds)", rows, baseline="eager"))
+        print(table(f"Per-call CPU time, {mode}, x f32[16,32] (best of 15 rounds)", rows, baseline="eager"))
 
 
 if __name__ == "__main__":
