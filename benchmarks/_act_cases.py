@@ -134,13 +134,18 @@ def make_inputs(case: Case, shape, dtype, device="cpu", requires_grad=True):
     return args, dy
 
 
-def fwd_bwd(fn, args, dy):
-    """A closure running forward and backward (gradients of every input) once."""
+def fwd_bwd(fn, args, dy, *, func: bool = False):
+    """A closure running forward and backward (gradients of every input) once: with
+    ``torch.autograd.grad``, or (``func``) with ``torch.func.vjp`` as a functional training loop does."""
 
     def run():
         return torch.autograd.grad(fn(*args), args, dy)
 
-    return run
+    def run_func():
+        _, pull = torch.func.vjp(fn, *(a.detach() for a in args))
+        return pull(dy)
+
+    return run_func if func else run
 
 
 def best_of(impls: dict[str, Callable], *, reps: int, warmup: int = 2) -> dict[str, float]:
@@ -158,21 +163,26 @@ def best_of(impls: dict[str, Callable], *, reps: int, warmup: int = 2) -> dict[s
     return best
 
 
-def run_cpu(cases, shape, dtypes, *, reps, compile_: bool) -> str:
-    """Forward+backward times of functe vs torch eager (and torch.compile) on the CPU, as a table."""
+def run_cpu(cases, shape, dtypes, *, reps, compile_: bool, func: bool = False) -> str:
+    """Forward+backward times of functe vs torch eager (and torch.compile) on the CPU, as a table.
+
+    ``func``: through ``torch.func.vjp`` (functe ops vs the same torch code under the transform;
+    no torch.compile column, since compiling a torch.func transform drops custom backward rules).
+    """
     tables = []
     for dtype in dtypes:
         rows = []
         for case in cases:
             args, dy = make_inputs(case, shape, dtype)
             impls = {"eager": case.torch, "functe": case.functe}
-            if compile_:
+            if compile_ and not func:
                 torch._dynamo.reset()
                 impls["compile"] = torch.compile(case.torch)
-            times = best_of({k: fwd_bwd(fn, args, dy) for k, fn in impls.items()}, reps=reps)
+            times = best_of({k: fwd_bwd(fn, args, dy, func=func) for k, fn in impls.items()}, reps=reps)
             rows.append((case.name, times))
             print(f"  {case.name} {dtype}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()), flush=True)
-        title = f"CPU fwd+bwd, {shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')} (best of {reps}, interleaved)"
+        how = "torch.func.vjp fwd+bwd" if func else "fwd+bwd"
+        title = f"CPU {how}, {shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')} (best of {reps}, interleaved)"
         tables.append(table(title, rows, baseline="eager"))
     return "\n\n".join(tables)
 
@@ -252,14 +262,16 @@ def run_gpu(cases, shape, dtype, *, reps, device="cuda", compile_: bool = True) 
     return "\n".join(lines) + "\n\n" + table(title, rows, baseline="compile" if compile_ else "eager")
 
 
-def run_overhead(cases, *, reps: int = 200) -> str:
+def run_overhead(cases, *, reps: int = 200, func: bool = False) -> str:
     """Per-call forward+backward time at a tiny shape (8x256 fp32): Python dispatch overhead."""
     rows = []
     for case in cases:
         args, dy = make_inputs(case, (8, 256), torch.float32)
         impls = {"eager": case.torch, "functe": case.functe}
-        rows.append((case.name, best_of({k: fwd_bwd(fn, args, dy) for k, fn in impls.items()}, reps=reps, warmup=5)))
-    return table("CPU dispatch overhead: fwd+bwd at 8x256 fp32 (best of 200)", rows, baseline="eager")
+        steps = {k: fwd_bwd(fn, args, dy, func=func) for k, fn in impls.items()}
+        rows.append((case.name, best_of(steps, reps=reps, warmup=5)))
+    how = "torch.func.vjp fwd+bwd" if func else "fwd+bwd"
+    return table(f"CPU dispatch overhead: {how} at 8x256 fp32 (best of {reps})", rows, baseline="eager")
 
 
 def main(cases, description: str):
@@ -270,12 +282,15 @@ def main(cases, description: str):
     parser.add_argument("--cols", type=int, default=4096, help="CPU width (GPU: 8192)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compiles take seconds)")
+    parser.add_argument("--func", action="store_true", help="CPU: time forward+backward through torch.func.vjp")
     opts = parser.parse_args()
     selected = [c for c in cases if not opts.ops or c.name in opts.ops]
     dtypes = [getattr(torch, d) for d in (opts.dtype or ["float32", "bfloat16"])]
     print(machine(), flush=True)
     if torch.cuda.is_available():
         print(run_gpu(selected, (opts.rows, 8192), torch.bfloat16, reps=max(opts.reps, 20)))
-    print(run_cpu(selected, (opts.rows, opts.cols), dtypes, reps=opts.reps, compile_=not opts.no_compile))
+    print(
+        run_cpu(selected, (opts.rows, opts.cols), dtypes, reps=opts.reps, compile_=not opts.no_compile, func=opts.func)
+    )
     print()
-    print(run_overhead(selected))
+    print(run_overhead(selected, func=opts.func))

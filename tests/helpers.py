@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,12 +56,37 @@ def _same(actual, expected, what):
         assert_close(actual, expected, msg=what)
 
 
+@contextlib.contextmanager
+def twin_functions_always():
+    """Route every recorded twin call through its Function (normally only large CPU tensors take it)."""
+    saved = functe._kernel.TWIN_FUNCTION_MIN_ELEMENTS
+    functe._kernel.TWIN_FUNCTION_MIN_ELEMENTS = 0
+    try:
+        yield
+    finally:
+        functe._kernel.TWIN_FUNCTION_MIN_ELEMENTS = saved
+
+
+def _twin_routes():
+    """The ways a recorded twin call can run on this backend: directly, and (CPU twins) as a Function."""
+    if functe._backend.runs_triton(torch.device("cpu")):
+        return (contextlib.nullcontext,)
+    return (contextlib.nullcontext, twin_functions_always)
+
+
 def check_transforms(fn: Callable, ref: Callable, args: Sequence[torch.Tensor], *, higher_order: bool = True):
     """Check ``fn`` against the pure-torch ``ref`` under every torch.func transform, in float64.
 
     Covers grad, vjp, vmap, vmap(grad) (all args batched, and only the first),
-    jacrev, jvp, jacfwd, and (if ``higher_order``) grad of grad.
+    jacrev, jvp, jacfwd, and (if ``higher_order``) grad of grad; on the CPU twins
+    both with twins called directly and with twins run as Functions.
     """
+    for route in _twin_routes():
+        with route():
+            _check_transforms(fn, ref, args, higher_order=higher_order)
+
+
+def _check_transforms(fn: Callable, ref: Callable, args: Sequence[torch.Tensor], *, higher_order: bool):
     args = tuple(a.to(F64) for a in args)
     argnums = tuple(range(len(args)))
     _same(fn(*args), ref(*args), "forward")

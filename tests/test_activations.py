@@ -220,6 +220,25 @@ def test_nan_propagates_and_infinities_follow_the_formulas():
             assert y.isnan().all(), (name, backend, y)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("name", ["relu", "srelu"])
+def test_piecewise_linear_backward_keeps_te_special_values_in_plain_autograd(name, dtype):
+    """Plain autograd takes the CPU fast path (no transform records): dx = dy·f'(x) with f'(NaN) = 0
+    and inf·0 = NaN, exactly as the float64 formula, both when x is free of NaN/-inf (single-pass
+    route) and when it is not (fallback)."""
+    values = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.0, -3.0, 0.5]
+    grid_x, grid_dy = torch.tensor(values).repeat_interleave(len(values)), torch.tensor(values).repeat(len(values))
+    clean = ~(grid_x.isnan() | (grid_x == -float("inf")))
+    for x, dy in [(grid_x, grid_dy), (grid_x[clean], grid_dy[clean])]:
+        x = x.to(dtype).requires_grad_()
+        (dx,) = torch.autograd.grad(ops.activation(x, name), x, dy.to(dtype))
+        x64 = x.detach().double()
+        slope = torch.where(x64 > 0, 2 * x64 if name == "srelu" else torch.ones_like(x64), torch.zeros_like(x64))
+        want = dy.to(dtype).double() * slope
+        assert torch.equal(dx.isnan(), want.isnan()), (name, dtype, x, dy, dx)
+        assert torch.equal(dx.double()[~want.isnan()], want.to(dtype).double()[~want.isnan()]), (name, dtype, dx)
+
+
 def test_non_contiguous_inputs_and_stride0_cotangents(backend):
     x = make((26, 6), torch.float32).t()  # (6, 26), non-contiguous
     s = make((12,), torch.float32)[::2]  # (6,), stride 2

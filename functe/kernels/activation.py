@@ -301,12 +301,14 @@ _NATIVE_FWD = {
     "relu": torch.relu,
     "sigmoid": torch.sigmoid,
 }
-# Native backward functions: used where autograd does not record (silu_backward
-# has no derivative of its own), otherwise the differentiable formula runs.
-_NATIVE_DACT = {
+# Native backward functions (fp32 math for any input dtype, one rounding). gelu_backward
+# has a derivative of its own, so it serves under transforms and second derivatives too
+# (one op where the formula takes about a dozen); silu_backward has none, so it is used
+# only where autograd does not record, and the differentiable formula runs otherwise.
+_NATIVE_DACT_DIFFERENTIABLE = {
     "gelu": lambda dy, x: torch.ops.aten.gelu_backward(dy, x, approximate="tanh"),
-    "silu": torch.ops.aten.silu_backward,
 }
+_NATIVE_DACT = {**_NATIVE_DACT_DIFFERENTIABLE, "silu": torch.ops.aten.silu_backward}
 
 
 def _halves(x: Tensor, interleave: int) -> tuple[Tensor, Tensor]:
@@ -370,6 +372,9 @@ def dactivation_ref(
     dy: Tensor, x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
 ) -> Tensor:
     """PyTorch twin of :func:`dactivation`."""
+    native = _NATIVE_DACT_DIFFERENTIABLE.get(name)
+    if native is not None:
+        return native(dy, x)
     if eager_cpu(dy, x):
         native = _NATIVE_DACT.get(name)
         if native is not None:
@@ -430,8 +435,8 @@ def _vjp_into(g: Tensor, t: Tensor, name: str, out: Tensor, tmp: Tensor) -> Tens
         _aten.silu_backward.grad_input(g, torch.mul(t, 1.702, out=tmp), grad_input=out)
     elif name == "sigmoid":
         _aten.sigmoid_backward.grad_input(g, torch.sigmoid(t, out=tmp), grad_input=out)
-    elif name == "relu":  # relu'(x) = (x > 0): one fused multiply by the mask
-        torch.mul(g, t > 0, out=out)
+    elif name == "relu":  # g·(t > 0 ? 1 : 0) with TE's special values (see _fast_relu_backward)
+        _aten.leaky_relu_backward.grad_input(g, t, 0.0, False, grad_input=out)
     else:  # srelu'(x) = 2x where x > 0, else 0 (NaN -> 0, as TE); multiplied, so inf·0 is NaN
         torch.mul(g, torch.where(t > 0, t, t.new_zeros(()), out=tmp).mul_(2.0), out=out)
     return out
@@ -470,13 +475,18 @@ def _fast_relu_backward(dy: Tensor, x: Tensor, name: str) -> Tensor:
     """relu/srelu ``dy·f'(x)`` in x's dtype: f'(x) is exact (0, 1 or 2x), so the one
     product rounds once, as in fp32 followed by a cast."""
     if name == "relu":
-        # threshold_backward (x <= 0 ? 0 : dy) is the fastest pass on CPU (a float-by-bool
-        # multiply is ~2x slower) and equals dy·relu'(x) unless x holds NaN (relu'(NaN) = 0)
-        # or dy a non-finite value (dy·0 is NaN): two cheap reductions decide.
-        if not torch.isnan(x.sum()) and torch.isfinite(dy.sum()):
-            return _aten.threshold_backward(dy, x, 0)
-        return torch.mul(dy, x > 0)
-    return torch.mul(dy, torch.where(x > 0, x, 0.0).mul_(2.0))
+        # leaky_relu_backward with slope 0 is TE's formula in one pass, special values included:
+        # x > 0 ? dy : dy·0 (so relu'(NaN) = 0, and inf·0 = NaN where x <= 0). threshold_backward
+        # (x <= 0 ? 0 : dy) is as fast but passes dy through at NaN and drops non-finite dy.
+        return _aten.leaky_relu_backward(dy, x, 0.0, False)
+    # srelu: the same pass applied to 2·dy·x (one rounding, as dy·(2x) in fp32) is TE's
+    # dy·(x > 0 ? 2x : 0) unless x holds NaN or -inf (there 2·dy·x·0 is NaN, TE's is dy·0):
+    # x's sum rules both out. (torch.where is ~3x slower than these passes on CPU.)
+    total = float(x.sum())
+    if total != total or total == -math.inf:
+        return torch.mul(dy, torch.where(x > 0, x, 0.0).mul_(2.0))
+    g = torch.addcmul(x.new_zeros(()), dy, x, value=2.0)
+    return _aten.leaky_relu_backward.grad_input(g, x, 0.0, False, grad_input=g)
 
 
 def _fast_forward(x, s, name, interleave, limit, alpha, offset) -> Tensor:
