@@ -23,8 +23,8 @@ would otherwise record it on large CPU tensors: its ``forward`` sees plain
 tensors with nothing recording, so the twin takes its CPU fast path (one fused
 ATen call where the differentiable formula takes a dozen: measured 1.5x to 4.7x
 faster under ``torch.func.vjp`` at 8192x4096); second derivatives still
-differentiate the formula. Small tensors call the twin directly, because a
-Function costs more per call under ``torch.func`` than the formula's ops.
+differentiate the formula. Small tensors call the twin directly, where a
+Function costs more per call than the formula's ops (see the threshold).
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ Tensor = torch.Tensor
 
 TWIN_FUNCTION_MIN_ELEMENTS = 1 << 16
 """A recorded twin call whose first tensor has at least this many elements runs as a Function
-(see the module docstring); below it the Function's own cost under ``torch.func`` (about 0.1 to
-0.3 ms per call) exceeds what the fast path saves."""
+(see the module docstring). Measured under ``torch.func.vjp``, one thread: at 4,096 elements the
+Function costs up to 66 us more than it saves (swiglu 585 vs 519 us), at 65,536 it is about even
+(silu 464 vs 508, swiglu 685 vs 629, layer_norm 588 vs 656 us), at 262,144 it wins for every op
+(layer_norm 743 vs 3,410 us)."""
 
 
 class Rowwise:
