@@ -221,21 +221,26 @@ def test_nan_propagates_and_infinities_follow_the_formulas():
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("name", ["relu", "srelu"])
+@pytest.mark.parametrize("name", ["relu", "srelu", "reglu", "sreglu", "scaled_srelu"])
 def test_piecewise_linear_backward_keeps_te_special_values_in_plain_autograd(name, dtype):
-    """Plain autograd takes the CPU fast path (no transform records): dx = dy·f'(x) with f'(NaN) = 0
+    """Plain autograd takes the CPU fast paths (no transform records): dx = dy·f'(x) with f'(NaN) = 0
     and inf·0 = NaN, exactly as the float64 formula, both when x is free of NaN/-inf (single-pass
-    route) and when it is not (fallback)."""
+    route) and when it is not (fallback); gated and row-scaled forms through the chunked path (the
+    linear half and the scale are ones, so the activated half's gradient is dy·f'(a))."""
     values = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.0, -3.0, 0.5]
     grid_x, grid_dy = torch.tensor(values).repeat_interleave(len(values)), torch.tensor(values).repeat(len(values))
     clean = ~(grid_x.isnan() | (grid_x == -float("inf")))
-    for x, dy in [(grid_x, grid_dy), (grid_x[clean], grid_dy[clean])]:
-        x = x.to(dtype).requires_grad_()
-        (dx,) = torch.autograd.grad(ops.activation(x, name), x, dy.to(dtype))
-        x64 = x.detach().double()
-        slope = torch.where(x64 > 0, 2 * x64 if name == "srelu" else torch.ones_like(x64), torch.zeros_like(x64))
-        want = dy.to(dtype).double() * slope
-        assert torch.equal(dx.isnan(), want.isnan()), (name, dtype, x, dy, dx)
+    squared = name in ("srelu", "sreglu", "scaled_srelu")
+    for a, dy in [(grid_x, grid_dy), (grid_x[clean], grid_dy[clean])]:
+        a, dy = a.to(dtype)[None], dy.to(dtype)[None]  # one row
+        x = (torch.cat([a, torch.ones_like(a)], -1) if name in ("reglu", "sreglu") else a).requires_grad_()
+        scale = (torch.ones(1, dtype=dtype),) if name == "scaled_srelu" else ()
+        (dx,) = torch.autograd.grad(ops.activation(x, name, *scale), x, dy)
+        dx = dx[..., : a.shape[-1]]
+        a64 = a.double()
+        slope = torch.where(a64 > 0, 2 * a64 if squared else torch.ones_like(a64), torch.zeros_like(a64))
+        want = dy.double() * slope
+        assert torch.equal(dx.isnan(), want.isnan()), (name, dtype, a, dy, dx)
         assert torch.equal(dx.double()[~want.isnan()], want.to(dtype).double()[~want.isnan()]), (name, dtype, dx)
 
 

@@ -438,8 +438,23 @@ def _vjp_into(g: Tensor, t: Tensor, name: str, out: Tensor, tmp: Tensor) -> Tens
     elif name == "relu":  # g·(t > 0 ? 1 : 0) with TE's special values (see _fast_relu_backward)
         _aten.leaky_relu_backward.grad_input(g, t, 0.0, False, grad_input=out)
     else:  # srelu'(x) = 2x where x > 0, else 0 (NaN -> 0, as TE); multiplied, so inf·0 is NaN
-        torch.mul(g, torch.where(t > 0, t, t.new_zeros(()), out=tmp).mul_(2.0), out=out)
+        _srelu_vjp_into(g, t, out, tmp)
     return out
+
+
+def _srelu_vjp_into(g: Tensor, t: Tensor, out: Tensor, tmp: Tensor | None = None) -> Tensor:
+    """``out ← g·(t > 0 ? 2t : 0)`` (``out`` may be ``g``; ``tmp``: scratch of ``t``'s shape or None).
+
+    ``leaky_relu_backward`` with slope 0 applied to 2·g·t (one rounding, as g·(2t)) is TE's formula
+    unless t holds NaN or -inf (there 2·g·t·0 is NaN, TE's g·0 is 0): t's sum rules both out, else
+    the ``where`` form runs (torch.where is ~3x slower than these passes on CPU).
+    """
+    total = float(t.sum())
+    if total != total or total == -math.inf:
+        mask = torch.where(t > 0, t, t.new_zeros(()), out=tmp)
+        return torch.mul(g, mask.mul_(2.0), out=out)
+    torch.addcmul(t.new_zeros(()), g, t, value=2.0, out=out)
+    return _aten.leaky_relu_backward.grad_input(out, t, 0.0, False, grad_input=out)
 
 
 def _clamped_into(a: Tensor, b: Tensor, limit: float, alpha: float, offset: float, out: Tensor, tmp: Tensor):
@@ -479,14 +494,7 @@ def _fast_relu_backward(dy: Tensor, x: Tensor, name: str) -> Tensor:
         # x > 0 ? dy : dy·0 (so relu'(NaN) = 0, and inf·0 = NaN where x <= 0). threshold_backward
         # (x <= 0 ? 0 : dy) is as fast but passes dy through at NaN and drops non-finite dy.
         return _aten.leaky_relu_backward(dy, x, 0.0, False)
-    # srelu: the same pass applied to 2·dy·x (one rounding, as dy·(2x) in fp32) is TE's
-    # dy·(x > 0 ? 2x : 0) unless x holds NaN or -inf (there 2·dy·x·0 is NaN, TE's is dy·0):
-    # x's sum rules both out. (torch.where is ~3x slower than these passes on CPU.)
-    total = float(x.sum())
-    if total != total or total == -math.inf:
-        return torch.mul(dy, torch.where(x > 0, x, 0.0).mul_(2.0))
-    g = torch.addcmul(x.new_zeros(()), dy, x, value=2.0)
-    return _aten.leaky_relu_backward.grad_input(g, x, 0.0, False, grad_input=g)
+    return _srelu_vjp_into(dy, x, torch.empty_like(x))
 
 
 def _fast_forward(x, s, name, interleave, limit, alpha, offset) -> Tensor:
