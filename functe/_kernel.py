@@ -92,20 +92,19 @@ class Kernel:
         for first in args:
             if isinstance(first, Tensor):
                 break
-        if not runs_triton(first.device):
-            if first.numel() < TWIN_FUNCTION_MIN_ELEMENTS or type(first) is not Tensor or first.device.type != "cpu":
-                return self.twin(*args)  # (the common path: no list of tensors built)
-            if not torch.compiler.is_compiling() and _needs_autograd([a for a in args if isinstance(a, Tensor)]):
-                return self.twin_function.apply(*args)
-            return self.twin(*args)
-        tensors = [a for a in args if isinstance(a, Tensor)]
+        if runs_triton(first.device):
+            run, function = self.op, self.function
+        elif first.numel() < TWIN_FUNCTION_MIN_ELEMENTS or type(first) is not Tensor or first.device.type != "cpu":
+            return self.twin(*args)  # (the common path: no list of tensors built)
+        else:
+            run, function = self.twin, self.twin_function
         if torch.compiler.is_compiling():
-            # Dynamo cannot nest a Function inside the op Function it traces;
-            # the opaque custom op is all it needs (compiled code is first-order).
-            return self.op(*args)
-        if _needs_autograd(tensors):
-            return self.function.apply(*args)
-        return self.op(*args)
+            # Dynamo cannot nest a Function inside the op Function it traces; the opaque
+            # custom op (or the plain-torch twin) is all it needs (compiled code is first-order).
+            return run(*args)
+        if _needs_autograd([a for a in args if isinstance(a, Tensor)]):
+            return function.apply(*args)
+        return run(*args)
 
     def __repr__(self):
         return f"Kernel({self.name})"

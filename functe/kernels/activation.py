@@ -308,7 +308,7 @@ _NATIVE_FWD = {
 _NATIVE_DACT_DIFFERENTIABLE = {
     "gelu": lambda dy, x: torch.ops.aten.gelu_backward(dy, x, approximate="tanh"),
 }
-_NATIVE_DACT = {**_NATIVE_DACT_DIFFERENTIABLE, "silu": torch.ops.aten.silu_backward}
+_NATIVE_DACT_UNRECORDED = {"silu": torch.ops.aten.silu_backward}
 
 
 def _halves(x: Tensor, interleave: int) -> tuple[Tensor, Tensor]:
@@ -376,7 +376,7 @@ def dactivation_ref(
     if native is not None:
         return native(dy, x)
     if eager_cpu(dy, x):
-        native = _NATIVE_DACT.get(name)
+        native = _NATIVE_DACT_UNRECORDED.get(name)
         if native is not None:
             return native(dy, x)
         if name in ("relu", "srelu"):
