@@ -8,6 +8,9 @@ from helpers import F64, FLOATS, check_kernel, make
 
 import functe
 from functe.kernels import elementwise
+from functe.kernels._common import column_sums
+from functe.kernels.gemm import gemm_wgrad_dbias_ref
+from functe.kernels.quantize import dact_dbias_ref
 
 SHAPES = [(37,), (2, 13), (32, 1, 32), (0, 13), (3, 1)]
 
@@ -32,6 +35,22 @@ def test_add_bias(shape, dtype):
 def test_bias_grad_is_the_fp32_sum_over_leading_dims(shape, dtype):
     dy = make(shape, dtype)
     check_kernel(elementwise.BIAS_GRAD, (dy,), lambda dy: dy.reshape(-1, dy.shape[-1]).sum(0))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_column_sums_accumulate_in_fp32_for_16_bit_inputs(dtype):
+    # 256 followed by 4096 ones: a 16-bit accumulator stalls at 256 (bf16's spacing there is 2; fp16
+    # stalls at 2048), an fp32 one reaches 4352 exactly, which both 16-bit formats represent.
+    dy = torch.ones(4097, 3, dtype=dtype)
+    dy[0] = 256.0
+    exact = torch.full((3,), 4352.0, dtype=dtype)
+    assert torch.equal(column_sums(dy, dtype), exact)
+    assert torch.equal(elementwise.bias_grad_ref(dy), exact)
+    assert torch.equal(gemm_wgrad_dbias_ref(dy, torch.ones(4097, 2, dtype=dtype))[1], exact)
+    assert torch.equal(dact_dbias_ref(dy, torch.ones_like(dy), "relu")[1], exact)
+    with functe.use_backend("interpret"):
+        assert torch.equal(elementwise.bias_grad(dy), exact)
+    assert torch.equal(column_sums(dy, torch.float32), exact.float())
 
 
 def test_bias_grad_is_deterministic_and_uses_many_programs():

@@ -41,3 +41,17 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.view(1, 1)
     # (the row count is explicit: view(-1, 0) is ambiguous for an empty last dimension)
     return x.view(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def column_sums(v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``Σ v`` over all leading dimensions, accumulated in fp32 (fp64 for fp64) and rounded once to ``out_dtype``.
+
+    A 16-bit ``v`` is summed as it is: torch's sum of fp16/bf16 already accumulates in fp32 and
+    rounds once (ATen's cast-load policies on the CPU, float accumulators on CUDA), and an fp32
+    copy first would cost four times the sum itself (CPU, 4096x4096 bf16: 16 ms copy, 4 ms sum).
+    Only a wider ``out_dtype`` needs the upcast (the sum would otherwise round to ``v``'s dtype).
+    """
+    rows = v.reshape(-1, v.shape[-1]) if v.dim() else v.reshape(1, 1)
+    if out_dtype.itemsize > v.dtype.itemsize:
+        rows = rows.to(out_dtype)
+    return rows.sum(0).to(out_dtype)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .._kernel import Kernel, Rowwise
-from ._common import as_rows, compute_dtype, tl_compute_dtype
+from ._common import as_rows, column_sums, compute_dtype, tl_compute_dtype
 from ._triton import ELEMENTWISE_BLOCK, jit, next_power_of_2
 
 Tensor = torch.Tensor
@@ -146,8 +146,7 @@ def bias_grad(dy: Tensor) -> Tensor:
 
 def bias_grad_ref(dy: Tensor) -> Tensor:
     """PyTorch twin of :func:`bias_grad`."""
-    rows = dy.reshape(-1, dy.shape[-1])
-    return rows.to(compute_dtype(dy.dtype)).sum(0).to(dy.dtype)
+    return column_sums(dy, dy.dtype)
 
 
 AXPBY = Kernel("axpby", axpby, axpby_ref, batch=Rowwise())

@@ -73,7 +73,7 @@ from .._errors import (
 from .._kernel import Kernel, Rowwise
 from . import _gemm_configs
 from ._act import ACTIVATIONS, act_fwd, act_fwd_ref, act_grad, act_grad_ref
-from ._common import compute_dtype, tl_compute_dtype, tl_dtype
+from ._common import column_sums, compute_dtype, tl_compute_dtype, tl_dtype
 from ._fp8_cast import FP8_DTYPES, fp8_format, saturating_cast
 from ._triton import jit
 
@@ -789,10 +789,6 @@ def gemm_wgrad_ref(
     return dw.to(out_dtype)
 
 
-def _bias_grad_ref(dy: Tensor) -> Tensor:
-    return _rows(dy).to(compute_dtype(dy.dtype)).sum(0).to(dy.dtype)
-
-
 def gemm_wgrad_dbias(dy: Tensor, x: Tensor, accum: Tensor | None = None, alpha: float = 1.0) -> tuple[Tensor, Tensor]:
     """:func:`gemm_wgrad` plus ``db = Σ dy`` over the leading dims, summed in fp32 in the same pass.
 
@@ -804,7 +800,7 @@ def gemm_wgrad_dbias(dy: Tensor, x: Tensor, accum: Tensor | None = None, alpha: 
     db = torch.empty(dy.shape[-1], dtype=dy.dtype, device=dy.device)
     _wgrad_into(dw, dy, x, accum, alpha, None, None, row_sum=db)
     if dw.numel() == 0 and db.numel():  # x is [..., 0]: no program ran, yet db is still owed
-        db = _bias_grad_ref(dy)
+        db = column_sums(dy, dy.dtype)
     return dw, db
 
 
@@ -814,7 +810,7 @@ def gemm_wgrad_dbias_ref(
     """PyTorch twin of :func:`gemm_wgrad_dbias`."""
     out_dtype = _check_wgrad("gemm_wgrad_dbias", dy, x, accum, None, None, None)
     dw = _plus(linear_ref(_rows(dy).t(), _rows(x), None, None, None, alpha), accum)
-    return dw.to(out_dtype), _bias_grad_ref(dy)
+    return dw.to(out_dtype), column_sums(dy, dy.dtype)
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .._kernel import Kernel, Rowwise
 from . import _act
-from ._common import as_rows
+from ._common import as_rows, column_sums
 from ._triton import jit, next_power_of_2
 from .activation import activation_ref, dactivation_ref
 
@@ -355,10 +355,6 @@ def _value_ref(x: Tensor, dy: Tensor | None, mode: int, act: str, limit: float, 
     return _act.act_fwd_ref(xf, act)
 
 
-def _column_sums_ref(v: Tensor, dtype: torch.dtype) -> Tensor:
-    return v.reshape(-1, v.shape[-1]).sum(0).to(dtype)
-
-
 # ----------------------------------------------------------------------------- kernels and twins
 
 
@@ -426,7 +422,7 @@ def dbias_cast_amax_ref(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """PyTorch twin of :func:`dbias_cast_amax`."""
     q = cast_ref(dy, scale, qdtype, out_dtype) if write else _empty(out_dtype, dy)
-    return q, _column_sums_ref(dy.to(torch.float32), dy.dtype), amax_ref(dy)
+    return q, column_sums(dy, dy.dtype), amax_ref(dy)
 
 
 def dact_dbias_cast_amax(
@@ -442,7 +438,7 @@ def dact_dbias_cast_amax_ref(
     """PyTorch twin of :func:`dact_dbias_cast_amax`."""
     v = _value_ref(x, dy, _MODE_DACT, act, 0.0, 0.0, 0.0)
     q = cast_ref(v, scale, qdtype, out_dtype) if write else _empty(out_dtype, x)
-    return q, _column_sums_ref(v, dy.dtype), amax_ref(v)
+    return q, column_sums(v, dy.dtype), amax_ref(v)
 
 
 # ----------------------------------------------------------------------------- rounded variants (fusion targets)
@@ -537,7 +533,7 @@ def dact_dbias(dy: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
 def dact_dbias_ref(dy: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`dact_dbias`."""
     g = dactivation_ref(dy, x, act, 0, 0.0, 0.0, 0.0)
-    return g, _column_sums_ref(g.to(torch.float32), g.dtype)
+    return g, column_sums(g, g.dtype)
 
 
 _ONE = torch.ones((), dtype=torch.float32)
