@@ -43,6 +43,12 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, skipping the call when ``t`` already has it: a no-op ``.to`` still costs a
+    dispatch (~1 µs), which is most of a small op's time on the CPU fast paths."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def column_sums(v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``Σ v`` over all leading dimensions, accumulated in fp32 (fp64 for fp64) and rounded once to ``out_dtype``.
 
@@ -54,4 +60,4 @@ def column_sums(v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     rows = v.reshape(-1, v.shape[-1]) if v.dim() else v.reshape(1, 1)
     if out_dtype.itemsize > v.dtype.itemsize:
         rows = rows.to(out_dtype)
-    return rows.sum(0).to(out_dtype)
+    return as_dtype(rows.sum(0), out_dtype)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .._errors import ShapeError
 from .._kernel import Kernel, Rowwise
-from ._common import as_rows, compute_dtype, tl_compute_dtype
+from ._common import as_dtype, as_rows, compute_dtype, tl_compute_dtype
 from ._fast import CHUNK_ELEMENTS, eager_cpu, parallel_chunks
 from ._triton import jit, next_power_of_2
 
@@ -401,7 +401,7 @@ def l2_normalize_bwd(dy: Tensor, x: Tensor, eps: float) -> Tensor:
 
 
 def _gamma(w: Tensor, zero_centered: bool, acc: torch.dtype) -> Tensor:
-    w = w.to(acc)
+    w = as_dtype(w, acc)
     return w + 1.0 if zero_centered else w
 
 
@@ -581,15 +581,15 @@ def _layer_norm_bwd_fast(dy, x, mean, rstd, weight, zero_centered, accum=None):
     rows, dy_rows = _rows(x, dy)
     acc_rows = None if accum is None else accum.reshape(rows.shape)
     n_rows, n = rows.shape
-    mean, rstd = mean.reshape(n_rows, 1).to(acc), rstd.reshape(n_rows, 1).to(acc)
+    mean, rstd = as_dtype(mean.reshape(n_rows, 1), acc), as_dtype(rstd.reshape(n_rows, 1), acc)
     gamma, beta = _gamma(weight, zero_centered, acc), torch.zeros(n, dtype=acc)  # (β: asks for dβ)
     if x.dtype == acc or rows.numel() <= CHUNK_ELEMENTS:
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy_rows.to(acc), rows.to(acc), [n], mean, rstd, gamma, beta, [True, True, True]
+            as_dtype(dy_rows, acc), as_dtype(rows, acc), [n], mean, rstd, gamma, beta, [True, True, True]
         )
         if acc_rows is not None:
             dx = dx.add_(acc_rows)
-        return dx.to(x.dtype).view(x.shape), dw.to(weight.dtype), db.to(x.dtype)
+        return as_dtype(dx, x.dtype).view(x.shape), as_dtype(dw, weight.dtype), as_dtype(db, x.dtype)
     dx = torch.empty_like(rows)
     dw_parts, db_parts = {}, {}
 
