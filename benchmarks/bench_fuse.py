@@ -16,7 +16,8 @@ backward with fc1's bias gradient into one pass; in fp32 the epilogue rule decli
 condition). On a CUDA machine everything runs on the GPU, the fused GEMMs as functe's Triton
 kernels (16-bit).
 
-Run: ``python -m benchmarks.bench_fuse`` (``--skip-large`` for the overhead table only).
+Run: ``python -m benchmarks.bench_fuse`` (``--skip-large`` for the overhead table only, ``--func``
+to also take the large case's gradients through ``torch.func.vjp``).
 """
 
 from __future__ import annotations
@@ -93,6 +94,17 @@ def _fwd_bwd(fn, x, p, cotangent):
     return step
 
 
+def _func_fwd_bwd(fn, x, p, cotangent):
+    """Forward + backward through ``torch.func.vjp``, as a functional training loop takes gradients."""
+    x, p = x.detach(), {k: v.detach() for k, v in p.items()}
+
+    def step():
+        _, pull = torch.func.vjp(fn, x, p)
+        pull(cotangent)
+
+    return step
+
+
 def interleaved(steps: dict, *, reps: int) -> tuple[dict, dict]:
     """Best-of-``reps`` wall and process-CPU seconds per step, the implementations timed in turn.
 
@@ -130,17 +142,24 @@ def overhead() -> str:
     return table("Per-call CPU time, tiny blocks (4 tokens, 8 hidden, 16 ffn, fp32, 1 thread)", rows, baseline="eager")
 
 
-def large(dtypes, reps: int) -> str:
+def large(dtypes, reps: int, *, func: bool = False) -> str:
+    """The block at 4096 tokens; ``func``: gradients through ``torch.func.vjp`` (no compile column:
+    compiling a torch.func transform is not what functional training loops do)."""
     wall, cpu = [], []
     for dtype in dtypes:
         x, p = make_inputs(4096, 1024, 4096, dtype)
         cot = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(1)).to(dtype=dtype, device=DEVICE)
-        steps = {k: _fwd_bwd(f, x, p, cot) for k, f in implementations().items()}
+        impls = implementations()
+        if func:
+            del impls["compile"]
+        make_step = _func_fwd_bwd if func else _fwd_bwd
+        steps = {k: make_step(f, x, p, cot) for k, f in impls.items()}
         name = f"fwd+bwd {str(dtype).removeprefix('torch.')}"
         w, c = interleaved(steps, reps=reps)
         wall.append((name, w))
         cpu.append((name, c))
-    title = f"MLP block forward+backward (4096 tokens, 1024 hidden, 4096 ffn), best of {reps} interleaved rounds"
+    how = ", torch.func.vjp" if func else ""
+    title = f"MLP block forward+backward{how} (4096 tokens, 1024 hidden, 4096 ffn), best of {reps} interleaved rounds"
     tables = [table(f"{title}, wall time", wall, baseline="eager")]
     if DEVICE == "cpu":
         tables.append(table(f"{title}, process CPU time", cpu, baseline="eager"))
@@ -151,6 +170,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-large", action="store_true", help="only the per-call overhead table")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds of the large case")
+    parser.add_argument("--func", action="store_true", help="also time the large case through torch.func.vjp")
     args = parser.parse_args()
     print(machine())
     print()
@@ -158,6 +178,9 @@ def main():
     if not args.skip_large:
         print()
         print(large([torch.float32, torch.bfloat16], reps=args.reps))
+        if args.func:
+            print()
+            print(large([torch.float32, torch.bfloat16], reps=args.reps, func=True))
 
 
 if __name__ == "__main__":
