@@ -147,6 +147,28 @@ def test_weight_grads_are_deterministic_fp32_partial_sums():
     check_sum(first[2], dy64.sum(0), dy64.abs().sum(0), "db")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [40, 4097])  # one chunk, and the CPU path's per-chunk partial sums
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_16_bit_weight_grads_accumulate_in_fp32(name, rows, dtype):
+    # x̂ = ±1/√(1 + eps) in every row, dy = 256 in row 0 and 1 elsewhere: dβ = Σ dy = 256 + (rows - 1)
+    # and |dγ| = dβ/√(1 + eps), each rounded once to the 16-bit dtype. A 16-bit accumulator stalls
+    # (bf16 at 256, fp16 at 2048): torch's own bf16/fp16 LayerNorm backward gives 512 and 4096 at 4097 rows.
+    x = torch.tensor([1.0, -1.0], dtype=dtype).repeat(rows, 32)
+    dy = torch.ones(rows, 64, dtype=dtype)
+    dy[0] = 256.0
+    w = torch.ones(64, dtype=dtype, requires_grad=True)
+    b = torch.zeros(64, dtype=dtype, requires_grad=True)
+    y = ops.layer_norm(x, w, b) if name == "layer_norm" else ops.rms_norm(x, w)
+    params = (w, b) if name == "layer_norm" else (w,)
+    grads = torch.autograd.grad(y, params, dy)
+    total = torch.tensor(256.0 + (rows - 1), dtype=F64)
+    dw = total / torch.sqrt(torch.tensor(1 + 1e-5, dtype=F64))
+    assert torch.equal(grads[0], torch.stack([dw, -dw]).to(dtype).repeat(32))
+    if name == "layer_norm":
+        assert torch.equal(grads[1], total.to(dtype).expand(64))
+
+
 def test_non_contiguous_inputs_and_stride0_cotangents(backend):
     x = make((13, 6), torch.float32).t()  # (6, 13), non-contiguous
     w, b = make((26,), torch.float32)[::2], make((13,), torch.float32)  # stride-2 weight
