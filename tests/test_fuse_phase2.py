@@ -13,7 +13,7 @@ import pytest
 import torch
 from fuse_helpers import F64, assert_matches_float64, draw, outputs_and_grads
 from helpers import check_transforms, make
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import functe
@@ -397,6 +397,9 @@ def _vjp_all(fn, args, ct):
     kind=st.sampled_from(["layer", "rms"]),
     seed=st.integers(0, 2**16),
 )
+# A gradient entry of 3e-5 among entries up to 27 (float32: off by 1.1e-5 from float64, fused and
+# unfused bit-identical): the tolerance's atol has to be on the tensor's scale.
+@example(lead=(3,), k=16, n=24, dtype=torch.float32, recipe=None, act="gelu", kind="layer", seed=410)
 def test_block_with_recipes_matches_unfused(lead, k, n, dtype, recipe, act, kind, seed):
     if recipe is None:  # (a 16-bit multi-stage block rounds its intermediates: covered stage by stage above)
         act, dtype = ("srelu" if act == "swiglu" else act), torch.float32
