@@ -4,14 +4,24 @@ Tests that take the ``backend`` fixture run once with the PyTorch twins and
 once with the Triton kernels through Triton's interpreter, so every kernel is
 checked on a CPU-only machine. With a GPU, ``FUNCTE_TEST_CUDA=1`` adds a CUDA
 run of the same tests.
+
+Hypothesis draws the same examples on every run (profile ``deterministic``), so
+a test run, CI's included, passes or fails the same way each time. To search
+for new failing examples, run with ``--hypothesis-profile=explore`` (fresh
+random examples on every run); pin what it finds with ``@example``.
 """
 
 import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 import functe
+
+settings.register_profile("deterministic", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("deterministic")
 
 _BACKENDS = ["torch", "interpret"]
 
