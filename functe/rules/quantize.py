@@ -72,56 +72,36 @@ def _backward_condition(m: Match) -> str | None:
     return _recipe(m) or elementwise(m)
 
 
-def _norm_quantize(m: Match):
-    kind, beta = norm_kind(m)
-    _, w, b, state = m.args("fp8")
-    return m.fuse(
-        fused.forward_norm_fp8_linear,
-        [m["x"], m["g"], beta, w, b, state],
-        kind=kind,
-        **m.params("norm"),
-        recipe=m.params("fp8")["recipe"],
-    )
+def _norm_q_in(fused_op, lin: str):
+    """The rewrite of a norm feeding the quantized linear node ``lin`` into ``fused_op``: the norm's
+    inputs, then the linear's weight, bias and state (or seed)."""
+
+    def rewrite(m: Match):
+        kind, beta = norm_kind(m)
+        _, w, b, extra = m.args(lin)
+        return m.fuse(
+            fused_op, [m["x"], m["g"], beta, w, b, extra], kind=kind, **m.params("norm"), recipe=m.params(lin)["recipe"]
+        )
+
+    return rewrite
 
 
-def _activation_quantize(m: Match):
-    p = m.params("act")
-    _, w, b, state = m.args("fp8")
-    return m.fuse(
-        fused.forward_activation_fp8_linear,
-        [m["x"], w, b, state],
-        name=p["name"],
-        limit=p["limit"],
-        alpha=p["alpha"],
-        offset=p["offset"],
-        recipe=m.params("fp8")["recipe"],
-    )
+def _activation_q_in(fused_op, lin: str):
+    """The rewrite of an activation feeding the quantized linear node ``lin`` into ``fused_op``."""
+
+    def rewrite(m: Match):
+        p = m.params("act")
+        _, w, b, extra = m.args(lin)
+        static = {k: p[k] for k in ("name", "limit", "alpha", "offset")}
+        return m.fuse(fused_op, [m["x"], w, b, extra], **static, recipe=m.params(lin)["recipe"])
+
+    return rewrite
 
 
-def _norm_block_quantize(m: Match):
-    kind, beta = norm_kind(m)
-    _, w, b, seed = m.args("lin")
-    return m.fuse(
-        fused_block.forward_norm_block_linear,
-        [m["x"], m["g"], beta, w, b, seed],
-        kind=kind,
-        **m.params("norm"),
-        recipe=m.params("lin")["recipe"],
-    )
-
-
-def _activation_block_quantize(m: Match):
-    p = m.params("act")
-    _, w, b, seed = m.args("lin")
-    return m.fuse(
-        fused_block.forward_activation_block_linear,
-        [m["x"], w, b, seed],
-        name=p["name"],
-        limit=p["limit"],
-        alpha=p["alpha"],
-        offset=p["offset"],
-        recipe=m.params("lin")["recipe"],
-    )
+_norm_quantize = _norm_q_in(fused.forward_norm_fp8_linear, "fp8")
+_activation_quantize = _activation_q_in(fused.forward_activation_fp8_linear, "fp8")
+_norm_block_quantize = _norm_q_in(fused_block.forward_norm_block_linear, "lin")
+_activation_block_quantize = _activation_q_in(fused_block.forward_activation_block_linear, "lin")
 
 
 def _fp8_activation(m: Match):
