@@ -4,7 +4,8 @@
 (pytree structure, shapes, dtypes, devices, static leaves) it traces ``fn``
 once to an op list and builds a :class:`Plan`:
 
-1. the rule set's *joint* rules rewrite the op list;
+1. equations whose results reach no output are dropped (every op is pure),
+   then the rule set's *joint* rules rewrite the op list;
 2. its *forward* rules rewrite that into the **forward plan**, its
    *backward* rules, independently, into the **backward plan**
    (TransformerEngine's key insight: the two passes have different fusion
@@ -36,7 +37,7 @@ import torch
 
 from . import _trace
 from ._errors import TraceError, describe
-from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec
+from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._trace import trace_call, vjp_call
 from ._tree import tree_flatten, tree_leaves, tree_unflatten
 from ._vjp import _guard, custom_vjp
@@ -303,7 +304,8 @@ class Plan:
     """Everything :func:`fuse` caches for one input signature.
 
     Attributes:
-        program: the traced op list.
+        traced: the traced op list.
+        program: ``traced`` without dead code (equations whose results reach no output).
         joint, forward, backward: the op list after the joint rules, and the
             forward and backward plans (each a rewrite of ``joint``).
         stats: ``{"joint" | "forward" | "backward": RewriteStats}``.
@@ -314,7 +316,8 @@ class Plan:
     def __init__(self, program: OpList, rules, recipe, name: str):
         from .rules import rewrite  # functe.rules imports the ops; imported late to keep import order simple
 
-        self.program = program
+        self.traced = program
+        self.program = program = without_dead_code(program)
         self.name = name
         self.joint, joint_stats = rewrite(program, rules, "joint", recipe=recipe)
         self.forward, forward_stats = rewrite(self.joint, rules, "forward", recipe=recipe)
@@ -338,7 +341,10 @@ class Plan:
 
     def explain(self) -> str:
         """The op list before and after each rewrite, rules fired and declined (see :func:`explain`)."""
-        lines = [f"functe.fuse({self.name}): program as traced", str(self.program)]
+        lines = [f"functe.fuse({self.name}): program as traced", str(self.traced)]
+        dead = len(self.traced.eqns) - len(self.program.eqns)
+        if dead:
+            lines.append(f"dead code removed: {dead} equation(s) whose results reach no output")
         for phase, oplist in (("joint", self.joint), ("forward", self.forward), ("backward", self.backward)):
             stats = self.stats[phase]
             if phase == "joint" and not stats.fired and not stats.declined:

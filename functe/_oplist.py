@@ -351,6 +351,33 @@ def check_oplist(oplist: OpList) -> None:
         raise TraceError("functe.check_oplist: the output count does not match out_tree")
 
 
+def without_dead_code(oplist: OpList) -> OpList:
+    """``oplist`` without the equations none of whose outputs reaches the program's outputs.
+
+    Every op is pure (state flows through arguments and results), so an equation whose results
+    nobody uses changes nothing; dropping it keeps the rules from matching a dead end (a match must
+    define every output used outside it, and a dead one has none) and saves its work.
+
+    Example:
+        >>> import torch, functe
+        >>> def f(x, w):
+        ...     unused = functe.ops.linear(x, w)
+        ...     return functe.ops.gelu(x)
+        >>> traced = functe.trace(f)(torch.ones(2, 4), torch.ones(3, 4))
+        >>> len(traced.eqns), len(without_dead_code(traced).eqns)
+        (2, 1)
+    """
+    live = {id(a) for a in oplist.outputs if isinstance(a, Var)}
+    kept: list[Eqn] = []
+    for e in reversed(oplist.eqns):
+        if any(v is not None and id(v) in live for v in e.outputs):
+            kept.append(e)
+            live.update(id(a) for a in e.inputs if isinstance(a, Var))
+    if len(kept) == len(oplist.eqns):
+        return oplist
+    return oplist.replace(eqns=tuple(reversed(kept)))
+
+
 def toposort(eqns: Sequence[Eqn], priority: dict[Eqn, float]) -> list[Eqn] | None:
     """Order ``eqns`` so every var is defined before use, preferring low ``priority`` first.
 

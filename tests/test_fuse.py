@@ -260,6 +260,26 @@ def test_a_new_signature_retraces_and_the_same_one_does_not():
     assert fused.trace_count == 5
 
 
+def test_dead_code_is_dropped_before_rewriting(capsys):
+    # The dead linear -> scale chain matches backward_linear_scale; a match whose results nobody uses
+    # has no outputs to define, so the plan drops dead equations first (found by a random-program fuzz).
+    def fn(x, w, b):
+        dead = 3.0 * ops.linear(x, w)
+        del dead
+        return ops.gelu(ops.linear(x, w, b)) + x
+
+    x, w, b = make((3, 8)), make((8, 8)), make((8,))
+    fused = functe.fuse(fn)
+    plan = fused.plan(x, w, b)
+    assert len(plan.traced.eqns) == 5 and len(plan.program.eqns) == 3
+    assert "backward_linear_scale" not in plan.stats["backward"].fired
+    assert_matches_float64(fused, fn, [x, w, b])
+    functe.explain(fused, x, w, b)
+    printed = capsys.readouterr().out
+    assert "constant_scale[scale=3.0]" in printed  # the program as traced still shows it
+    assert "dead code removed: 2 equation(s) whose results reach no output" in printed
+
+
 def test_unhashable_static_argument_is_a_clear_error():
     fused = functe.fuse(lambda x, s: ops.constant_scale(x, min(s)))
     with pytest.raises(functe.TraceError, match=r"non-tensor arguments are static and must be hashable, got \['set'\]"):
