@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -296,7 +297,13 @@ def _output_atom(leaf: Any, t: _Trace):
 # ----------------------------------------------------------------------------- opaque functions
 
 
+# The op of each opaque function, so that every call of ``opaque(fn)`` gives the same op (a rule can
+# match it). A plain Python function keeps its ops in an attribute: a lambda made anew on every step
+# then takes its op with it when it is dropped (op and function form a cycle the collector frees),
+# instead of growing a global table. Other callables (builtins, bound methods, which compare equal
+# across accesses) are keyed here; there are only as many as the program names.
 _OPAQUE: dict[Any, CustomVJP] = {}
+_OPAQUE_ATTR = "__functe_opaque_ops__"
 
 
 def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
@@ -317,15 +324,21 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         >>> torch.func.grad(lambda x: tanh(x).sum())(torch.zeros(2)).tolist()
         [1.0, 1.0]
     """
-    key = (fn, name)
-    op = _OPAQUE.get(key)
+    if isinstance(fn, types.FunctionType):
+        owner_table = fn.__dict__.get(_OPAQUE_ATTR)
+        if owner_table is None or owner_table[0] is not fn:  # (functools.wraps copies the attribute)
+            owner_table = fn.__dict__[_OPAQUE_ATTR] = (fn, {})
+        table, key = owner_table[1], name
+    else:
+        table, key = _OPAQUE, (fn, name)
+    op = table.get(key)
     if op is None:
         label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"
 
         def fwd(*args, **static):
             return fn(*args, **static), args
 
-        op = _OPAQUE[key] = custom_vjp(label, fwd, functools.partial(vjp_call, fn))
+        op = table[key] = custom_vjp(label, fwd, functools.partial(vjp_call, fn))
     return op
 
 

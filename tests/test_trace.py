@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,6 +141,33 @@ def test_opaque_functions_are_one_equation_with_static_keywords():
     ln = functe.opaque(_ln, name="layer_norm")
     text = oplist_text(ln, torch.zeros(2, 5), torch.ones(5), torch.zeros(5))
     assert "d:f32[2,5] = layer_norm a b c" in text
+
+
+def test_opaque_ops_of_fresh_lambdas_are_freed_and_wrapped_functions_get_their_own():
+    from functe import _trace
+
+    before, refs = len(_trace._OPAQUE), []
+    for k in range(4):  # a new lambda every step, as eager code may make one
+        f = lambda x, k=k: x * k
+        op = functe.opaque(f)
+        assert functe.opaque(f) is op and op(torch.ones(2)).tolist() == [k, k]
+        refs.append(weakref.ref(op))
+    del f, op
+    gc.collect()
+    assert len(_trace._OPAQUE) == before and all(r() is None for r in refs)
+
+    def inner(x):
+        return x + 1
+
+    inner_op = functe.opaque(inner)
+
+    @functools.wraps(inner)  # copies inner.__dict__, where the ops live
+    def outer(x):
+        return inner(x) * 2
+
+    assert functe.opaque(outer) is not inner_op
+    assert functe.opaque(outer)(torch.ones(1)).tolist() == [4.0]
+    assert functe.opaque(inner) is inner_op
 
 
 def test_opaque_gradients_match_torch_under_every_transform():
