@@ -4,7 +4,9 @@ Hypothesis builds straight-line programs from linear (with or without bias), act
 LayerNorm/RMSNorm, residual adds, per-feature biases, constant scales and SwiGLU, where any
 earlier value may be reused (several consumers) or left unused (dead code), and returns one or two
 of them. Whatever the rules do with such a program, the fused function must compute what the
-unfused one does. (This search found that a rule matching dead code failed to rewrite.)
+unfused one does. (This search found that a rule matching dead code failed to rewrite.) With every
+linear an ``fp8_linear`` (block-shaped programs, each recipe), fused and unfused agree bit for bit,
+next scaling states included.
 """
 
 from __future__ import annotations
@@ -61,14 +63,19 @@ def programs(draw):
     return draw(st.sampled_from([1, 3, 5])), dims[0], instrs, params, outs
 
 
-def run(program, x, ps):
-    """The program on ``x`` and parameters ``ps`` with functe ops (what ``fuse`` traces)."""
+def run(program, x, ps, dense=None):
+    """The program on ``x`` and parameters ``ps`` with functe ops (what ``fuse`` traces).
+
+    ``dense(h, w, b, i)`` computes the ``i``-th linear (default ``ops.linear``).
+    """
     _, _, instrs, _, outs = program
-    vals = [x]
+    vals, linears = [x], 0
     for kind, v, *rest in instrs:
         if kind == "linear":
             pi, has_bias = rest
-            vals.append(ops.linear(vals[v], ps[pi], ps[pi + 1] if has_bias else None))
+            b = ps[pi + 1] if has_bias else None
+            vals.append(ops.linear(vals[v], ps[pi], b) if dense is None else dense(vals[v], ps[pi], b, linears))
+            linears += 1
         elif kind == "act":
             vals.append(getattr(ops, rest[0])(vals[v]))
         elif kind == "norm":
@@ -136,3 +143,106 @@ def test_fused_random_programs_match_unfused(program, seed, dtype):
 
     batch = torch.stack([x, -2 * x])
     check(torch.func.vmap(lambda x: fused(x, ps))(batch), torch.func.vmap(lambda x: fn(x, ps))(batch), "vmap")
+
+
+# ----------------------------------------------------------------------------- with quantized linears
+
+RECIPES = {
+    "delayed": functe.DelayedScaling(amax_history_len=8),
+    "current": functe.CurrentScaling(),
+    "mxfp8": functe.MXFP8BlockScaling(),
+    "fp8 block": functe.Float8BlockScaling(),
+    "nvfp4": functe.NVFP4BlockScaling(),
+}
+
+
+@st.composite
+def blocks(draw):
+    """Programs shaped like transformer blocks, where the FP8 rules have something to match: an
+    optional norm, a linear, an optional activation (or SwiGLU), a linear back to the input width,
+    an optional residual add, then up to two more instructions on any value."""
+    width = draw(st.sampled_from([32, 64]))
+    dims, instrs, params = [width], [], []
+    if draw(st.booleans()):
+        layer = draw(st.booleans())
+        instrs.append(("norm", 0, len(params), layer))
+        params += [(width,), (width,)] if layer else [(width,)]
+        dims.append(width)
+    hidden = draw(st.sampled_from([32, 64, 128]))
+    for out in (hidden, None):
+        if out is None:
+            kind = draw(st.sampled_from(["act", "swiglu", "none"]))
+            if kind == "act":
+                instrs.append(("act", len(dims) - 1, draw(st.sampled_from(ACTIVATIONS))))
+                dims.append(dims[-1])
+            elif kind == "swiglu":
+                instrs.append(("swiglu", len(dims) - 1))
+                dims.append(dims[-1] // 2)
+            out = width
+        has_bias = draw(st.booleans())
+        instrs.append(("linear", len(dims) - 1, len(params), has_bias))
+        params += [(out, dims[-1]), (out,)] if has_bias else [(out, dims[-1])]
+        dims.append(out)
+    if draw(st.booleans()):
+        instrs.append(("add", len(dims) - 1, 0))
+        dims.append(width)
+    for _ in range(draw(st.integers(0, 2))):
+        v = draw(st.integers(0, len(dims) - 1))
+        kind = draw(st.sampled_from(["act", "scale", "add"]))
+        if kind == "act":
+            instrs.append(("act", v, draw(st.sampled_from(ACTIVATIONS))))
+        elif kind == "scale":
+            instrs.append(("scale", v, draw(st.sampled_from([0.5, -2.0]))))
+        else:
+            instrs.append(("add", v, draw(st.sampled_from([i for i, d in enumerate(dims) if d == dims[v]]))))
+        dims.append(dims[v])
+    outs = sorted({len(dims) - 1, draw(st.integers(0, len(dims) - 1))})
+    return draw(st.sampled_from([4, 16])), width, instrs, params, outs
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    program=blocks(),
+    recipe=st.sampled_from(list(RECIPES)),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_random_quantized_programs_are_bit_identical(program, recipe, dtype, seed):
+    """Every linear an ``fp8_linear``: the FP8 rules (q-in norms and activations, dact + dbias + cast)
+    change no bit of the outputs, the gradients or the next scaling states."""
+    recipe = RECIPES[recipe]
+    x, ps = _inputs(program, dtype, seed)
+    n_linears = sum(1 for ins in program[2] if ins[0] == "linear")
+    gen = torch.Generator().manual_seed(seed)
+    if isinstance(recipe, functe.DelayedScaling):  # states that have seen steps: scales other than 1
+        states = [
+            functe.LinearScalingState(
+                *(functe.ScalingState(torch.tensor(s), torch.rand(8, generator=gen)) for s in (0.5, 64.0, 1024.0))
+            )
+            for _ in range(n_linears)
+        ]
+    else:
+        states = [None] * n_linears
+
+    def fn(x, ps, states):
+        def dense(h, w, b, i):
+            seed_arg = {"seed": torch.tensor(5 + i)} if isinstance(recipe, functe.NVFP4BlockScaling) else {}
+            return ops.fp8_linear(h, w, b, states[i], recipe=recipe, **seed_arg)
+
+        return run(program, x, ps, dense)
+
+    fused = functe.fuse(fn, recipe=recipe)
+
+    def autograd(f):
+        leaves = [t.clone().requires_grad_() for t in (x, *ps)]
+        st_ = [None if s is None else functe.tree_map(lambda t: t.clone().requires_grad_(), s) for s in states]
+        st_leaves = [t for s in st_ if s is not None for t in functe.tree_leaves(s)]
+        outs = f(leaves[0], leaves[1:], st_)
+        cts_gen = torch.Generator().manual_seed(seed + 1)
+        cts = [torch.randn(o.shape, generator=cts_gen).to(o.dtype) for o in outs]
+        return outs, torch.autograd.grad(outs, leaves + st_leaves, cts, allow_unused=True)
+
+    (fused_outs, fused_grads), (outs, grads) = autograd(fused), autograd(fn)
+    for i, (a, b) in enumerate(zip([*fused_outs, *fused_grads], [*outs, *grads])):
+        assert (a is None) == (b is None), f"result {i}: one side is None"
+        assert a is None or torch.equal(a, b), f"result {i} differs"
