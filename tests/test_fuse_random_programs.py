@@ -108,43 +108,6 @@ def _inputs(program, dtype, seed):
 TOLERANCE = {torch.float64: torch.float64, torch.float32: torch.float16}
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@settings(max_examples=60, deadline=None)
-@given(program=programs(), seed=st.integers(0, 2**16))
-def test_fused_random_programs_match_unfused(program, seed, dtype):
-    x, ps = _inputs(program, dtype, seed)
-    fn = lambda x, ps: run(program, x, ps)
-    fused = functe.fuse(fn)
-    tol = TOLERANCE[dtype]
-
-    def check(got, want, what):
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert (g is None) == (w is None), f"{what} {i}: one side is None"
-            if g is not None:
-                assert_close(g, w, dtype=tol, msg=f"{what} {i}", scale_atol=True)
-
-    def autograd(f):
-        leaves = [t.clone().requires_grad_() for t in (x, *ps)]
-        outs = f(leaves[0], leaves[1:])
-        gen = torch.Generator().manual_seed(seed + 1)
-        cts = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype) for o in outs]
-        return outs, torch.autograd.grad(outs, leaves, cts, allow_unused=True)
-
-    (fused_outs, fused_grads), (outs, grads) = autograd(fused), autograd(fn)
-    check(fused_outs, outs, "output")
-    check(fused_grads, grads, "gradient")
-
-    def loss(f):
-        return lambda ps, x: sum((o * o).sum() for o in f(x, ps))
-
-    fused_func = torch.func.grad(loss(fused), argnums=(0, 1))(ps, x)
-    func = torch.func.grad(loss(fn), argnums=(0, 1))(ps, x)
-    check([*fused_func[0], fused_func[1]], [*func[0], func[1]], "torch.func.grad")
-
-    batch = torch.stack([x, -2 * x])
-    check(torch.func.vmap(lambda x: fused(x, ps))(batch), torch.func.vmap(lambda x: fn(x, ps))(batch), "vmap")
-
-
 # ----------------------------------------------------------------------------- with quantized linears
 
 RECIPES = {
@@ -198,6 +161,43 @@ def blocks(draw):
         dims.append(dims[v])
     outs = sorted({len(dims) - 1, draw(st.integers(0, len(dims) - 1))})
     return draw(st.sampled_from([4, 16])), width, instrs, params, outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@settings(max_examples=60, deadline=None)
+@given(program=st.one_of(programs(), blocks()), seed=st.integers(0, 2**16))
+def test_fused_random_programs_match_unfused(program, seed, dtype):
+    x, ps = _inputs(program, dtype, seed)
+    fn = lambda x, ps: run(program, x, ps)
+    fused = functe.fuse(fn)
+    tol = TOLERANCE[dtype]
+
+    def check(got, want, what):
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert (g is None) == (w is None), f"{what} {i}: one side is None"
+            if g is not None:
+                assert_close(g, w, dtype=tol, msg=f"{what} {i}", scale_atol=True)
+
+    def autograd(f):
+        leaves = [t.clone().requires_grad_() for t in (x, *ps)]
+        outs = f(leaves[0], leaves[1:])
+        gen = torch.Generator().manual_seed(seed + 1)
+        cts = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype) for o in outs]
+        return outs, torch.autograd.grad(outs, leaves, cts, allow_unused=True)
+
+    (fused_outs, fused_grads), (outs, grads) = autograd(fused), autograd(fn)
+    check(fused_outs, outs, "output")
+    check(fused_grads, grads, "gradient")
+
+    def loss(f):
+        return lambda ps, x: sum((o * o).sum() for o in f(x, ps))
+
+    fused_func = torch.func.grad(loss(fused), argnums=(0, 1))(ps, x)
+    func = torch.func.grad(loss(fn), argnums=(0, 1))(ps, x)
+    check([*fused_func[0], fused_func[1]], [*func[0], func[1]], "torch.func.grad")
+
+    batch = torch.stack([x, -2 * x])
+    check(torch.func.vmap(lambda x: fused(x, ps))(batch), torch.func.vmap(lambda x: fn(x, ps))(batch), "vmap")
 
 
 @settings(max_examples=30, deadline=None)
