@@ -154,6 +154,37 @@ def test_non_contiguous_and_stride0_cotangents(backend):
 # ----------------------------------------------------------------------------- errors
 
 
+@pytest.mark.parametrize("in_features, out_features", [(4, 0), (0, 5), (0, 0)])
+def test_zero_width_linears_forward_and_backward(in_features, out_features):
+    # No input or no output features: y is the bias (or empty), the gradients are zeros of the
+    # arguments' shapes, as with torch; unfused, fused, and quantized (a 0-row reshape once failed here).
+    x, w, b = make((2, 3, in_features)), make((out_features, in_features)), make((out_features,))
+    recipe = functe.CurrentScaling()
+    programs = {
+        "linear": lambda x, w, b: ops.linear(x, w, b),
+        "fuse": functe.fuse(lambda x, w, b: ops.gelu(ops.linear(x, w, b)) + 1.0 * ops.linear(x, w, b)),
+        "fp8_linear": lambda x, w, b: ops.fp8_linear(x, w, b, None, recipe=recipe),
+    }
+    references = {
+        "linear": lambda x, w, b: torch.nn.functional.linear(x, w, b),
+        "fuse": lambda x, w, b: (
+            torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate="tanh")
+            + torch.nn.functional.linear(x, w, b)
+        ),
+        "fp8_linear": lambda x, w, b: torch.nn.functional.linear(x, w, b),
+    }
+    for name, fn in programs.items():
+        args = [t.clone().requires_grad_() for t in (x, w, b)]
+        ref_args = [t.clone().requires_grad_() for t in (x, w, b)]
+        y, ref = fn(*args), references[name](*ref_args)
+        assert y.shape == ref.shape, name
+        assert_close(y, ref, dtype=torch.float16, msg=name)
+        cot = make(y.shape)
+        for g, r in zip(torch.autograd.grad(y, args, cot), torch.autograd.grad(ref, ref_args, cot)):
+            assert g.shape == r.shape, name
+            assert_close(g, r, dtype=torch.float16, msg=name)
+
+
 def test_linear_rejects_wrong_in_features():
     with pytest.raises(
         functe.ShapeError, match=r"functe\.linear: argument 'weight' expected f32\[\?,16\], got f32\[8,15\]"

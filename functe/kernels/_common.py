@@ -43,6 +43,15 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+def rows_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D ``[rows, last]`` tensor (a view when possible), for any row count and last dim.
+
+    The row count is explicit: ``reshape(-1, 0)`` is ambiguous for an empty last dimension (a linear
+    with no input or no output features). A 0-d ``t`` is one row of one element.
+    """
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]) if t.dim() else t.reshape(1, 1)
+
+
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, skipping the call when ``t`` already has it: a no-op ``.to`` still costs a
     dispatch (~1 µs), which is most of a small op's time on the CPU fast paths."""
@@ -57,7 +66,7 @@ def column_sums(v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     copy first would cost four times the sum itself (CPU, 4096x4096 bf16: 16 ms copy, 4 ms sum).
     Only a wider ``out_dtype`` needs the upcast (the sum would otherwise round to ``v``'s dtype).
     """
-    rows = v.reshape(-1, v.shape[-1]) if v.dim() else v.reshape(1, 1)
+    rows = rows_view(v)
     if out_dtype.itemsize > v.dtype.itemsize:
         rows = rows.to(out_dtype)
     return as_dtype(rows.sum(0), out_dtype)

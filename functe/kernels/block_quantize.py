@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .._kernel import Kernel, Rowwise
 from . import _act, _fast
+from ._common import rows_view
 from ._triton import jit, next_power_of_2
 from .activation import activation_ref
 from .quantize import (
@@ -110,11 +111,6 @@ def act_value_ref(x: Tensor, act: str, limit: float, alpha: float, offset: float
         return _value_ref(x, None, _MODE_CAST, act, limit, alpha, offset)
     v = _value_ref(x, None, _MODE_ACT, act, limit, alpha, offset)
     return v if x.dtype == torch.float32 else v.to(x.dtype).to(torch.float32)
-
-
-def rows_2d(x: Tensor) -> Tensor:
-    """``x [..., K]`` as a ``[rows, K]`` matrix (a view where possible; also for 0 rows or ``K = 0``)."""
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 # ----------------------------------------------------------------------------- FP8 block kernel
@@ -227,7 +223,7 @@ def _fp8_block_kernel(
 def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps, keep=False):
     """``(q, scale_inv)``, and with ``keep`` (1x128 blocks) ``(h, q, scale_inv)``: ``h = v`` in x's dtype."""
     act_id, gated, clamped, n_cols = act_layout(x, act)
-    rows = rows_2d(x.contiguous())
+    rows = rows_view(x.contiguous())
     n_rows, in_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
     q = torch.empty((*x.shape[:-1], n_cols), dtype=out_dtype, device=x.device)
@@ -350,7 +346,7 @@ def by_row_chunks(x: Tensor, tile_rows: int, outputs, rows_fn) -> bool:
     """
     if x.numel() <= _fast.CHUNK_ELEMENTS or not _fast.eager_cpu(x):
         return False
-    mat = rows_2d(x)
+    mat = rows_view(x)
     n_rows = mat.shape[0]
 
     def body(_, tiles, scratch):
@@ -383,7 +379,7 @@ def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, 
     q = torch.empty((math.prod(x.shape[:-1]), n_cols), dtype=out_dtype, device=x.device)
     scale_inv = torch.empty((-(-q.shape[0] // block_rows), -(-n_cols // BLOCK)), dtype=torch.float32, device=x.device)
     if not by_row_chunks(x, block_rows, ((q, 1), (scale_inv, block_rows)), lambda m, _: _fp8_block_rows(m, *args)):
-        q, scale_inv = _fp8_block_rows(rows_2d(x), *args)
+        q, scale_inv = _fp8_block_rows(rows_view(x), *args)
     lead = x.shape[:-1] if block_rows == 1 else scale_inv.shape[:1]
     return q.reshape(*x.shape[:-1], n_cols), scale_inv.reshape(*lead, scale_inv.shape[-1])
 
@@ -538,7 +534,7 @@ def dequantize_grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int
 def fp8_block_dequantize(data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype) -> Tensor:
     """``data * scale_inv`` per block: float8 ``data [..., K]``, fp32 ``scale_inv`` of 1x128 blocks
     (``block_rows=1``: ``[..., ceil(K/128)]``) or 128x128 blocks (``[ceil(M/128), ceil(K/128)]``)."""
-    rows = rows_2d(data.contiguous())
+    rows = rows_view(data.contiguous())
     y = torch.empty(data.shape, dtype=out_dtype, device=data.device)
     if rows.numel():
         grid, block_r, block_c = dequantize_grid(*rows.shape)

@@ -73,7 +73,7 @@ from .._errors import (
 from .._kernel import Kernel, Rowwise
 from . import _gemm_configs
 from ._act import ACTIVATIONS, act_fwd, act_fwd_ref, act_grad, act_grad_ref
-from ._common import column_sums, compute_dtype, tl_compute_dtype, tl_dtype
+from ._common import column_sums, compute_dtype, rows_view, tl_compute_dtype, tl_dtype
 from ._fp8_cast import FP8_DTYPES, fp8_format, saturating_cast
 from ._triton import jit
 
@@ -433,11 +433,6 @@ def run_gemm(
 # ----------------------------------------------------------------------------- checks shared by launchers and twins
 
 
-def _rows(t: Tensor) -> Tensor:
-    """``t`` as a 2-D ``[rows, last]`` view (copies only if it cannot be viewed); works for 0 rows and K = 0."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
-
-
 def _check_operands(op, names, a, b, a_scale_inv, b_scale_inv, out_dtype) -> torch.dtype:
     """Check two GEMM operands (both 16/32/64-bit and equal, or both FP8 with scale_invs); return the out dtype."""
     check_tensor(op, names[0], a, dtypes=(*FLOAT_DTYPES, *FP8_DTYPES))
@@ -533,12 +528,12 @@ def linear_ref(a: Tensor, b: Tensor, bias: Tensor | None, a_scale_inv, b_scale_i
 
 def _plus(y: Tensor, other: Tensor | None) -> Tensor:
     """``y + other`` (a residual or an accumulator, any leading shape) in y's compute dtype."""
-    return y if other is None else y + _rows(other).to(y.dtype)
+    return y if other is None else y + rows_view(other).to(y.dtype)
 
 
 def forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv):
     """``(pre_activation, y)`` of the forward GEMM as 2-D fp32 (fp64) tensors, both unrounded."""
-    z = linear_ref(_rows(x), w.t(), bias, x_scale_inv, w_scale_inv, alpha)
+    z = linear_ref(rows_view(x), w.t(), bias, x_scale_inv, w_scale_inv, alpha)
     y = z if activation is None else act_fwd_ref(z, activation)
     return z, _plus(y, residual)
 
@@ -554,8 +549,8 @@ def forward_out(x: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
 def forward_into(out: Tensor, x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv, **extra):
     """Run the forward GEMM into the 2-D buffer ``out`` (which may be ``residual``'s own, donated, memory)."""
     return run_gemm(
-        _rows(x), w.t(), out, alpha=alpha, a_scale_inv=x_scale_inv, b_scale_inv=w_scale_inv, bias=bias,
-        residual=None if residual is None else _rows(residual), activation=activation, **extra,
+        rows_view(x), w.t(), out, alpha=alpha, a_scale_inv=x_scale_inv, b_scale_inv=w_scale_inv, bias=bias,
+        residual=None if residual is None else rows_view(residual), activation=activation, **extra,
     )  # fmt: skip
 
 
@@ -656,8 +651,8 @@ def _check_dgrad(op, dy, w, accum, dy_scale_inv, w_scale_inv, out_dtype) -> torc
 
 def _dgrad_into(dx: Tensor, dy, w, accum, alpha, dy_scale_inv, w_scale_inv, **extra) -> None:
     run_gemm(
-        _rows(dy), w, dx, alpha=alpha, a_scale_inv=dy_scale_inv, b_scale_inv=w_scale_inv,
-        residual=None if accum is None else _rows(accum), split_accumulator=True, **extra,
+        rows_view(dy), w, dx, alpha=alpha, a_scale_inv=dy_scale_inv, b_scale_inv=w_scale_inv,
+        residual=None if accum is None else rows_view(accum), split_accumulator=True, **extra,
     )  # fmt: skip
 
 
@@ -688,7 +683,7 @@ def gemm_dgrad_ref(
 ) -> Tensor:
     """PyTorch twin of :func:`gemm_dgrad`."""
     out_dtype = _check_dgrad("gemm_dgrad", dy, w, accum, dy_scale_inv, w_scale_inv, out_dtype)
-    dx = _plus(linear_ref(_rows(dy), w, None, dy_scale_inv, w_scale_inv, alpha), accum)
+    dx = _plus(linear_ref(rows_view(dy), w, None, dy_scale_inv, w_scale_inv, alpha), accum)
     return dx.to(out_dtype).view(*dy.shape[:-1], w.shape[1])
 
 
@@ -721,7 +716,7 @@ def gemm_dgrad_dact(
     out_dtype = _check_dgrad_dact("gemm_dgrad_dact", dy, z, w, accum, activation)
     dx = torch.empty((math.prod(dy.shape[:-1]), w.shape[1]), dtype=out_dtype, device=dy.device)
     g = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
-    _dgrad_into(dx, dy, w, accum, alpha, None, None, dact=activation, z=_rows(z), g=_rows(g))
+    _dgrad_into(dx, dy, w, accum, alpha, None, None, dact=activation, z=rows_view(z), g=rows_view(g))
     if dx.numel() == 0 and g.numel():  # W is [N, 0]: no program ran, yet g is still owed
         g = _dact_ref(dy, z, activation)
     return dx.view(*dy.shape[:-1], w.shape[1]), g
@@ -733,7 +728,7 @@ def gemm_dgrad_dact_ref(
     """PyTorch twin of :func:`gemm_dgrad_dact`."""
     out_dtype = _check_dgrad_dact("gemm_dgrad_dact", dy, z, w, accum, activation)
     g = _dact_ref(dy, z, activation)
-    dx = _plus(linear_ref(_rows(g), w, None, None, None, alpha), accum)
+    dx = _plus(linear_ref(rows_view(g), w, None, None, None, alpha), accum)
     return dx.to(out_dtype).view(*dy.shape[:-1], w.shape[1]), g
 
 
@@ -753,7 +748,7 @@ def _check_wgrad(op, dy, x, accum, dy_scale_inv, x_scale_inv, out_dtype) -> torc
 def _wgrad_into(dw: Tensor, dy, x, accum, alpha, dy_scale_inv, x_scale_inv, **extra) -> None:
     # dW = dyᵀ @ x: A is dyᵀ, a strided view (no transposed copy), contracted over all rows.
     run_gemm(
-        _rows(dy).t(), _rows(x), dw, alpha=alpha, a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv,
+        rows_view(dy).t(), rows_view(x), dw, alpha=alpha, a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv,
         residual=accum, split_accumulator=True, **extra,
     )  # fmt: skip
 
@@ -785,7 +780,7 @@ def gemm_wgrad_ref(
 ) -> Tensor:
     """PyTorch twin of :func:`gemm_wgrad`."""
     out_dtype = _check_wgrad("gemm_wgrad", dy, x, accum, dy_scale_inv, x_scale_inv, out_dtype)
-    dw = _plus(linear_ref(_rows(dy).t(), _rows(x), None, dy_scale_inv, x_scale_inv, alpha), accum)
+    dw = _plus(linear_ref(rows_view(dy).t(), rows_view(x), None, dy_scale_inv, x_scale_inv, alpha), accum)
     return dw.to(out_dtype)
 
 
@@ -809,7 +804,7 @@ def gemm_wgrad_dbias_ref(
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`gemm_wgrad_dbias`."""
     out_dtype = _check_wgrad("gemm_wgrad_dbias", dy, x, accum, None, None, None)
-    dw = _plus(linear_ref(_rows(dy).t(), _rows(x), None, None, None, alpha), accum)
+    dw = _plus(linear_ref(rows_view(dy).t(), rows_view(x), None, None, None, alpha), accum)
     return dw.to(out_dtype), column_sums(dy, dy.dtype)
 
 
@@ -842,7 +837,7 @@ def gemm_in_place(
 ) -> None:
     """:func:`gemm` written into ``residual``'s buffer (contiguous, shared with no other argument)."""
     check_forward("gemm", x, w, bias, residual, activation, x_scale_inv, w_scale_inv, out_dtype)
-    forward_into(_rows(residual), x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv)
+    forward_into(rows_view(residual), x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv)
 
 
 def gemm_dgrad_in_place(
@@ -856,7 +851,7 @@ def gemm_dgrad_in_place(
 ) -> None:
     """:func:`gemm_dgrad` written into ``accum``'s buffer (BackwardLinearAdd's ``dx = d_extra + dy @ W``)."""
     _check_dgrad("gemm_dgrad", dy, w, accum, dy_scale_inv, w_scale_inv, out_dtype)
-    _dgrad_into(_rows(accum), dy, w, accum, alpha, dy_scale_inv, w_scale_inv)
+    _dgrad_into(rows_view(accum), dy, w, accum, alpha, dy_scale_inv, w_scale_inv)
 
 
 def gemm_wgrad_in_place(

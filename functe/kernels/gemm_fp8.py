@@ -27,10 +27,10 @@ import triton.language as tl
 from .._backend import interpreting
 from .._errors import check_same_device, check_tensor, dtype_error, dtype_name, shape_error
 from .._kernel import Kernel, Rowwise
-from ._common import as_rows
+from ._common import as_rows, rows_view
 from ._fp8_cast import FP8_DTYPES, current_scale, fp8_format, saturating_cast, saturating_cast_ref
 from ._triton import ELEMENTWISE_BLOCK, jit
-from .gemm import _rows, check_forward, forward_ref, run_gemm
+from .gemm import check_forward, forward_ref, run_gemm
 
 Tensor = torch.Tensor
 
@@ -67,9 +67,9 @@ def gemm_amax(
 ) -> tuple[Tensor, Tensor]:
     """:func:`functe.kernels.gemm.gemm` plus the amax of its output (fp32 0-d), from the same epilogue."""
     out_dtype = check_forward("gemm_amax", x, w, bias, residual, activation, x_scale_inv, w_scale_inv, out_dtype)
-    x2 = _rows(x)
+    x2 = rows_view(x)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
-    res = None if residual is None else _rows(residual)
+    res = None if residual is None else rows_view(residual)
     amax = run_gemm(x2, w.t(), y, alpha=alpha, a_scale_inv=x_scale_inv, b_scale_inv=w_scale_inv, bias=bias,
                     residual=res, activation=activation, amax=True)  # fmt: skip
     return y.view(*x.shape[:-1], w.shape[0]), amax
@@ -118,9 +118,9 @@ def gemm_quantize(
     out_dtype = check_forward(op, x, w, bias, residual, activation, x_scale_inv, w_scale_inv, out_dtype)
     _check_scale(op, scale, fp8_dtype)
     check_same_device(op, {"x": x, "scale": scale})
-    x2 = _rows(x)
+    x2 = rows_view(x)
     q = torch.empty((x2.shape[0], w.shape[0]), dtype=fp8_dtype, device=x.device)
-    res = None if residual is None else _rows(residual)
+    res = None if residual is None else rows_view(residual)
     amax = run_gemm(x2, w.t(), q, alpha=alpha, a_scale_inv=x_scale_inv, b_scale_inv=w_scale_inv, bias=bias,
                     residual=res, activation=activation, q_scale=scale, round_to=out_dtype)  # fmt: skip
     return q.view(*x.shape[:-1], w.shape[0]), amax

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from .._kernel import Kernel
 from . import _fast
+from ._common import rows_view
 from ._triton import jit, next_power_of_2
 from .block_quantize import (
     _MODE_ACT,
@@ -55,7 +56,6 @@ from .block_quantize import (
     grid_step_ref,
     nan_max,
     round_to_grid_ref,
-    rows_2d,
     unblocked,
 )
 from .dropout import seed_key
@@ -210,7 +210,7 @@ def nvfp4_cast(
     ``torch.uint8``: packed codes ``[..., K/2]`` (``K`` even); a float dtype: the values ``q · s``.
     """
     act_id, gated, clamped, n_cols = act_layout(x, act)
-    rows = rows_2d(x.contiguous())
+    rows = rows_view(x.contiguous())
     n_rows, in_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
     packed = out_dtype == torch.uint8
@@ -355,7 +355,7 @@ def nvfp4_cast_ref(
     if not by_row_chunks(x, tile_rows, ((q, 1), (scales, tile_rows)), chunk):
         index = torch.arange(n_rows * n_cols, dtype=torch.int64, device=x.device).view(n_rows, n_cols)
         bits = random_bits_ref(seed, index) if stochastic else None
-        q, scales = _nvfp4_rows(rows_2d(x), bits, *params)
+        q, scales = _nvfp4_rows(rows_view(x), bits, *params)
     lead = x.shape[:-1] if tile_rows == 1 else scales.shape[:1]
     return q.reshape(*x.shape[:-1], q.shape[-1]), scales.reshape(*lead, scales.shape[-1])
 
@@ -398,7 +398,7 @@ def nvfp4_dequantize(
 ) -> Tensor:
     """``e2m1 · s · global_decode`` of packed codes ``data [..., K/2]`` with E4M3 block scales of
     1x16 (``block_rows=1``: ``[..., ceil(K/16)]``) or 16x16 blocks (``[ceil(M/16), ceil(K/16)]``)."""
-    rows = rows_2d(data.contiguous())
+    rows = rows_view(data.contiguous())
     y = torch.empty((*data.shape[:-1], 2 * data.shape[-1]), dtype=out_dtype, device=data.device)
     if rows.numel():
         grid, block_r, block_c = dequantize_grid(rows.shape[0], 2 * rows.shape[1])

@@ -30,6 +30,7 @@ from .._fp8_gemm import gemm_nt
 from .._recipe import NVFP4BlockScaling
 from .._seed import seed_tensor
 from .._vjp import custom_vjp
+from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 
 Tensor = torch.Tensor
@@ -40,7 +41,7 @@ def _inv(scale: Tensor | None) -> Tensor | None:
 
 
 def _fwd(x, weight, bias, seed, *, recipe):
-    xq, sx, _ = cast_block(x.reshape(-1, x.shape[-1]), recipe, "input", None, operand_dtype(recipe, x.dtype))
+    xq, sx, _ = cast_block(rows_view(x), recipe, "input", None, operand_dtype(recipe, x.dtype))
     return forward_quantized(x, xq, sx, weight, bias, seed, recipe=recipe)
 
 
@@ -63,7 +64,7 @@ def forward_quantized(x, xq, sx, weight, bias, seed, *, recipe):
 
 def _bwd(res, dy, *, recipe):
     x, weight, wq, sinv_w, seed, has_bias = res
-    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    x2, dy2 = rows_view(x), rows_view(dy)
     dtype = operand_dtype(recipe, x.dtype)
     sr_seed = None if seed is None else seed ^ SR_DGRAD_STREAM
     dyq, sdy, _ = cast_block(dy2, recipe, "grad_output", None, dtype, seed=sr_seed)

@@ -32,6 +32,7 @@ from .._parallel import (
     reduce_output,
 )
 from .._vjp import custom_vjp
+from ..kernels._common import rows_view
 from ..kernels.elementwise import ADD_BIAS, AXPBY, BIAS_GRAD
 
 if TYPE_CHECKING:
@@ -56,8 +57,7 @@ def _linear_bwd(res, dy, *, parallel=None):
     if parallel is not None:  # column+sp gathers x again (as TE: less memory), row+sp gathers dy
         x, dy = gather_input("linear", x, parallel), gather_grad_output("linear", dy, parallel)
     dx = torch.matmul(dy, weight)
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    dweight = torch.matmul(dy2.t(), x.reshape(-1, x.shape[-1]))
+    dweight = torch.matmul(rows_view(dy).t(), rows_view(x))
     dbias = BIAS_GRAD(dy) if has_bias else None
     if parallel is not None:
         dx = reduce_grad_input("linear", dx, parallel)

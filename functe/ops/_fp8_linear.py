@@ -38,6 +38,7 @@ from .._parallel import (
 from .._quantize import QUANTIZABLE, cast, cast_dbias
 from .._recipe import BLOCK_RECIPES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .._vjp import custom_vjp
+from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST
 from ._block_linear import block_linear
@@ -54,7 +55,7 @@ Tensor = torch.Tensor
 def _fwd(x, weight, bias, state, *, recipe, parallel=None):
     if isinstance(recipe, MXFP8BlockScaling):
         return _mx_fwd(x, weight, bias, recipe, parallel)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = rows_view(x)
     lead = gathered_shape(x.shape[:-1], parallel)  # tensor parallelism: functe/_parallel.py
     native = native_ok(x2, weight, dims=(math.prod(lead), weight.shape[0], x2.shape[1]))
     scale_x = state.input.scale if isinstance(recipe, DelayedScaling) else None
@@ -125,7 +126,7 @@ def _bwd(res, dy, *, recipe, parallel=None):
     # column+sp gathers the saved FP8 input again (as TE), row+sp gathers dy (high precision)
     res = (gather_input("fp8_linear", res[0], parallel), *res[1:])
     dy = gather_grad_output("fp8_linear", dy, parallel)
-    dy2 = dy.reshape(-1, dy.shape[-1])
+    dy2 = rows_view(dy)
     res, store, go_scale = grad_output_setup(res, dy2, recipe)
     if res[5]:  # has_bias
         dyq, dbias, sdy, amax_dy = cast_dbias(dy2, recipe, "grad_output", go_scale, store)
@@ -178,7 +179,7 @@ def _mx(t: Tensor, recipe: Recipe, role: str, dtype: torch.dtype) -> Tensor:
 def _mx_fwd(x, weight, bias, recipe, parallel=None):
     # Blocks run along K, so quantizing after the (column+sp) all-gather equals gathering MXFP8 shards.
     xg = gather_input("fp8_linear", x, parallel)
-    x2 = xg.reshape(-1, x.shape[-1])
+    x2 = rows_view(xg)
     y = gemm_nt(
         _mx(x2, recipe, "input", x.dtype),
         None,
@@ -196,7 +197,7 @@ def _mx_bwd(res, dy, recipe, parallel=None):
     # operands are quantized again with blocks along those dims (TE's columnwise copies).
     x, weight, has_bias = res
     x, dy = gather_input("fp8_linear", x, parallel), gather_grad_output("fp8_linear", dy, parallel)
-    x2, dy2, dtype = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), x.dtype
+    x2, dy2, dtype = rows_view(x), rows_view(dy), x.dtype
     dx = gemm_nt(
         _mx(dy2, recipe, "grad_output", dtype), None, _mx(weight.t(), recipe, "weight", dtype), None, out_dtype=dtype
     )

@@ -28,6 +28,7 @@ import torch
 
 from .._backend import runs_triton
 from .._vjp import custom_vjp
+from ..kernels._common import rows_view
 from ..kernels.activation import DACTIVATION
 from ..kernels.elementwise import AXPBY, BIAS_GRAD
 from ..kernels.gemm import GEMM, GEMM_DGRAD, GEMM_DGRAD_DACT, GEMM_PREACT, GEMM_WGRAD, GEMM_WGRAD_DBIAS
@@ -58,11 +59,6 @@ def dact_prologue_pays(activation: str, k: int) -> bool:
     return activation in ("relu", "srelu") or k <= 64
 
 
-def _rows(t: Tensor) -> Tensor:
-    """``t`` as a 2-D ``(rows, features)`` tensor (a view when possible)."""
-    return t.reshape(-1, t.shape[-1]) if t.dim() > 0 else t.reshape(1, 1)
-
-
 def _linear_residuals(x: Tensor, weight: Tensor, has_bias: bool):
     """The residuals ``linear``'s own forward rule returns (see ``_core._linear_fwd``)."""
     return (x, weight, has_bias)
@@ -81,12 +77,12 @@ def _forward_linear_add_fwd(x, weight, bias, extra, *, scale, bias_op):
         return GEMM(x, weight, bias, extra, s), res
     if bias is None:
         # y = s·x·Wᵀ + extra: the GEMM accumulates into the residual (beta = 1, alpha = s), one rounding.
-        y = torch.addmm(_rows(extra), _rows(x), weight.t(), alpha=s)
+        y = torch.addmm(rows_view(extra), rows_view(x), weight.t(), alpha=s)
     else:
         # With a bias, torch has no GEMM with both a bias and an accumulator: the bias epilogue
         # first, then one pass y = extra + s·h. That rounds h once, never more often than the
         # unfused chain (rounding extra + s·b first instead could cancel where it does not).
-        y = torch.add(_rows(extra), torch.addmm(bias, _rows(x), weight.t()), alpha=s)
+        y = torch.add(rows_view(extra), torch.addmm(bias, rows_view(x), weight.t()), alpha=s)
     # Residuals of the covered ops: linear, [bias], [constant_scale], add_extra_input.
     return y.view(extra.shape), res
 
@@ -132,12 +128,12 @@ def _backward_linear_add_bwd(res, cts):
         dx = GEMM_DGRAD(dy, weight, d_extra)
         dweight, dbias = GEMM_WGRAD_DBIAS(dy, x) if has_bias else (GEMM_WGRAD(dy, x), None)
         return dx, dweight, dbias
-    dy2 = _rows(dy)
+    dy2 = rows_view(dy)
     if d_extra is None:
         dx = torch.matmul(dy, weight)
     else:
-        dx = torch.addmm(_rows(d_extra), dy2, weight).view(x.shape)
-    dweight = torch.matmul(dy2.t(), _rows(x))
+        dx = torch.addmm(rows_view(d_extra), dy2, weight).view(x.shape)
+    dweight = torch.matmul(dy2.t(), rows_view(x))
     return dx, dweight, BIAS_GRAD(dy) if has_bias else None
 
 
@@ -169,10 +165,10 @@ def _backward_linear_scale_bwd(res, dy, *, scale):
             return dx, GEMM_WGRAD(dy, x, None, scale), None
         dweight, dbias = GEMM_WGRAD_DBIAS(dy, x, None, scale)  # dbias comes unscaled
         return dx, dweight, AXPBY(dbias, None, scale, 0.0)
-    dy2 = _rows(dy)
+    dy2 = rows_view(dy)
     zero = dy.new_zeros(())  # ignored: beta = 0
     dx = torch.addmm(zero, dy2, weight, beta=0, alpha=scale).view(*x.shape[:-1], weight.shape[1])
-    dweight = torch.addmm(zero, dy2.t(), _rows(x), beta=0, alpha=scale)
+    dweight = torch.addmm(zero, dy2.t(), rows_view(x), beta=0, alpha=scale)
     dbias = AXPBY(BIAS_GRAD(dy), None, scale, 0.0) if has_bias else None
     return dx, dweight, dbias
 
@@ -252,8 +248,8 @@ def _backward_linear_activation_bwd(res, dy, *, activation):
         dweight, dbias = GEMM_WGRAD_DBIAS(g, x) if has_bias else (GEMM_WGRAD(g, x), None)
         return dx, dweight, dbias
     g, dbias = _dact_dbias(dy, z, activation, has_bias)
-    g2 = _rows(g)
-    return torch.matmul(g, weight), torch.matmul(g2.t(), _rows(x)), dbias
+    g2 = rows_view(g)
+    return torch.matmul(g, weight), torch.matmul(g2.t(), rows_view(x)), dbias
 
 
 backward_linear_activation = custom_vjp(

@@ -30,9 +30,10 @@ import torch
 
 from .._block_quantize import cast_act_block_keep, cast_norm_block, operand_dtype
 from .._vjp import custom_vjp
+from ..kernels._common import rows_view
 from . import _activation as act
 from . import _block_linear as block
-from ._fused import _norm_backward, _rows
+from ._fused import _norm_backward
 
 Tensor = torch.Tensor
 
@@ -44,7 +45,7 @@ def _forward_norm_block_linear_fwd(
     x, norm_weight, norm_bias, weight, bias, seed, *, kind, eps, zero_centered_gamma, recipe
 ):
     h, xq, sx, _, stats = cast_norm_block(
-        _rows(x), norm_weight, norm_bias, kind, eps, zero_centered_gamma, recipe, "input", None,
+        rows_view(x), norm_weight, norm_bias, kind, eps, zero_centered_gamma, recipe, "input", None,
         operand_dtype(recipe, x.dtype),
     )  # fmt: skip
     y, lin_res = block.forward_quantized(h.view(x.shape), xq, sx, weight, bias, seed, recipe=recipe)
@@ -76,7 +77,7 @@ def _forward_activation_block_linear_fwd(x, weight, bias, seed, *, name, limit, 
     # activation op's output: FP8 block one kernel, NVFP4 the amax pass writes it and the cast reads it.
     params = {"limit": limit, "alpha": alpha, "offset": offset}
     dtype = operand_dtype(recipe, x.dtype)
-    h, xq, sx, _ = cast_act_block_keep(_rows(x), name, recipe, "input", None, dtype, **params)
+    h, xq, sx, _ = cast_act_block_keep(rows_view(x), name, recipe, "input", None, dtype, **params)
     y, lin_res = block.forward_quantized(h.view(*x.shape[:-1], h.shape[-1]), xq, sx, weight, bias, seed, recipe=recipe)
     return y, ((x, None), lin_res)  # (x, None): the activation op's residuals (its input, no row scale)
 

@@ -31,10 +31,11 @@ from .._fp8_gemm import native_ok
 from .._quantize import cast_act_output, cast_dact_output_dbias, cast_norm
 from .._recipe import DelayedScaling, MXFP8BlockScaling
 from .._vjp import custom_vjp
+from ..kernels._common import rows_view
 from . import _activation as act
 from . import _fp8_linear as fp8
 from ._core import _bias
-from ._fused import _act_params, _norm_backward, _rows
+from ._fused import _act_params, _norm_backward
 
 Tensor = torch.Tensor
 
@@ -59,7 +60,7 @@ def _input_cast_setup(op: str, rows: Tensor, weight: Tensor, state, recipe):
 def _forward_norm_fp8_linear_fwd(
     x, norm_weight, norm_bias, weight, bias, state, *, kind, eps, zero_centered_gamma, recipe
 ):
-    rows = _rows(x)
+    rows = rows_view(x)
     native, store, scale = _input_cast_setup("forward_norm_fp8_linear", rows, weight, state, recipe)
     xq, sx, amax, stats = cast_norm(
         rows, norm_weight, norm_bias, kind, eps, zero_centered_gamma, recipe, "input", scale, store
@@ -91,7 +92,7 @@ quantized in the norm kernel (q-in). Covers ``layer_norm | rms_norm, fp8_linear`
 
 
 def _forward_activation_fp8_linear_fwd(x, weight, bias, state, *, name, limit, alpha, offset, recipe):
-    rows = _rows(x)
+    rows = rows_view(x)
     native, store, scale = _input_cast_setup("forward_activation_fp8_linear", rows, weight, state, recipe)
     xq, sx, amax = cast_act_output(rows, name, recipe, "input", scale, store, limit=limit, alpha=alpha, offset=offset)
     h_shape = torch.Size((*x.shape[:-1], xq.shape[-1]))  # (fp8_linear keeps x.shape, a torch.Size)
@@ -133,9 +134,9 @@ def _backward_fp8_linear_activation_fwd(x, weight, bias, state, extra_bias, *, a
 
 def _backward_fp8_linear_activation_bwd(res, dy, *, activation, recipe):
     lin_res, (z, _) = res[0], res[-1]
-    dy2 = _rows(dy)
+    dy2 = rows_view(dy)
     lin_res, store, scale = fp8.grad_output_setup(lin_res, dy2, recipe)
-    gq, dbias, sg, amax = cast_dact_output_dbias(dy2, _rows(z), activation, recipe, "grad_output", scale, store)
+    gq, dbias, sg, amax = cast_dact_output_dbias(dy2, rows_view(z), activation, recipe, "grad_output", scale, store)
     dx, dweight, state_ct = fp8.backward_quantized(lin_res, gq, sg, amax, recipe=recipe)
     # Both biases (the linear's own, a separate bias op's) have the gradient Σ_rows g.
     return dx, dweight, dbias if lin_res[5] else None, state_ct, dbias if len(res) == 3 else None
