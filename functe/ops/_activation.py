@@ -64,7 +64,7 @@ def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: d
     gated = is_gated(name)
     if gated and (x.dim() == 0 or x.shape[-1] < 2 or x.shape[-1] % 2):
         expected = describe_shape(x.dtype, (Ellipsis, "2H"))
-        raise shape_error(op, "x", expected, x, "a gated activation needs an even last dimension: the two halves")
+        raise shape_error(op, "x", expected, x, "a gated activation needs an even last dimension 2H >= 2 (two halves)")
     k = 0
     if interleave is not None:
         if not gated:
