@@ -298,6 +298,24 @@ def _norm_backward(kind: str, res, dy, *, eps, zero_centered_gamma):
     return (*norm._rms_norm.bwd(res, dy, **static), None)
 
 
+def q_in_norm_backward(linear, res, dy, *, kind, eps, zero_centered_gamma, recipe):
+    """Backward of a q-in fusion ``linear(norm(x))`` (``linear``: ``fp8_linear`` or ``block_linear``):
+    the unfused chain, the linear's rule then the norm's, on the residuals ``(norm's, linear's)``.
+    The linear's last cotangent (its scaling state's, or None for a seed) is passed through."""
+    norm_res, lin_res = res
+    dh, dweight, dbias, last = linear.bwd(lin_res, dy, recipe=recipe)
+    dx, dnorm_w, dnorm_b = _norm_backward(kind, norm_res, dh, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    return dx, dnorm_w, dnorm_b, dweight, dbias, last
+
+
+def q_in_activation_backward(linear, res, dy, *, name, limit, alpha, offset, recipe):
+    """Backward of a q-in fusion ``linear(act(x))``: the linear's rule, then the activation's."""
+    act_res, lin_res = res
+    dh, dweight, dbias, last = linear.bwd(lin_res, dy, recipe=recipe)
+    dx, _ = act._activation.bwd(act_res, dh, name=name, interleave=0, limit=limit, alpha=alpha, offset=offset)
+    return dx, dweight, dbias, last
+
+
 def _backward_add_norm_fwd(x, weight, bias, *, kind, eps, zero_centered_gamma):
     # Unfused forward: (x, x) = make_extra_output(x); y = norm(x, weight[, bias]).
     y, norm_res = _norm_forward(kind, x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)

@@ -26,14 +26,15 @@ producer's value to its dtype before the block amax and the cast.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._block_quantize import cast_act_block_keep, cast_norm_block, operand_dtype
 from .._vjp import custom_vjp
 from ..kernels._common import rows_view
-from . import _activation as act
 from . import _block_linear as block
-from ._fused import _norm_backward
+from ._fused import q_in_activation_backward, q_in_norm_backward
 
 Tensor = torch.Tensor
 
@@ -54,16 +55,11 @@ def _forward_norm_block_linear_fwd(
     return y, (norm_res, lin_res)
 
 
-def _forward_norm_block_linear_bwd(res, dy, *, kind, eps, zero_centered_gamma, recipe):
-    # The unfused chain, backwards: block_linear (its wgrad copy from the saved norm output), norm.
-    norm_res, lin_res = res
-    dh, dweight, dbias, _ = block._block_linear.bwd(lin_res, dy, recipe=recipe)
-    dx, dnorm_w, dnorm_b = _norm_backward(kind, norm_res, dh, eps=eps, zero_centered_gamma=zero_centered_gamma)
-    return dx, dnorm_w, dnorm_b, dweight, dbias, None
-
-
+# (backward: block_linear's rule, its wgrad copy from the saved norm output, then the norm's)
 forward_norm_block_linear = custom_vjp(
-    "forward_norm_block_linear", _forward_norm_block_linear_fwd, _forward_norm_block_linear_bwd
+    "forward_norm_block_linear",
+    _forward_norm_block_linear_fwd,
+    functools.partial(q_in_norm_backward, block._block_linear),
 )
 """``block_linear(norm(x, norm_weight[, norm_bias]), weight, bias, seed)`` with the norm's output
 block-quantized in the norm kernel (q-in). Covers ``layer_norm | rms_norm, block_linear``."""
@@ -82,15 +78,10 @@ def _forward_activation_block_linear_fwd(x, weight, bias, seed, *, name, limit, 
     return y, ((x, None), lin_res)  # (x, None): the activation op's residuals (its input, no row scale)
 
 
-def _forward_activation_block_linear_bwd(res, dy, *, name, limit, alpha, offset, recipe):
-    act_res, lin_res = res
-    dh, dweight, dbias, _ = block._block_linear.bwd(lin_res, dy, recipe=recipe)
-    dx, _ = act._activation.bwd(act_res, dh, name=name, interleave=0, limit=limit, alpha=alpha, offset=offset)
-    return dx, dweight, dbias, None
-
-
 forward_activation_block_linear = custom_vjp(
-    "forward_activation_block_linear", _forward_activation_block_linear_fwd, _forward_activation_block_linear_bwd
+    "forward_activation_block_linear",
+    _forward_activation_block_linear_fwd,
+    functools.partial(q_in_activation_backward, block._block_linear),
 )
 """``block_linear(act(x), weight, bias, seed)`` with the activation's output block-quantized in the
 activation kernel (q-in; elementwise, gated and clamped activations, chunked layout). Covers

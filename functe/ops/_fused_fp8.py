@@ -24,6 +24,8 @@ the high-precision tensors, which these fusions would have to write anyway.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._errors import RecipeError
@@ -35,7 +37,7 @@ from ..kernels._common import rows_view
 from . import _activation as act
 from . import _fp8_linear as fp8
 from ._core import _bias
-from ._fused import _act_params, _norm_backward
+from ._fused import _act_params, q_in_activation_backward, q_in_norm_backward
 
 Tensor = torch.Tensor
 
@@ -73,16 +75,11 @@ def _forward_norm_fp8_linear_fwd(
     return y, (norm_res, lin_res)
 
 
-def _forward_norm_fp8_linear_bwd(res, dy, *, kind, eps, zero_centered_gamma, recipe):
-    # The unfused chain, backwards: fp8_linear, norm.
-    norm_res, lin_res = res
-    dh, dweight, dbias, state_ct = fp8._fp8_linear.bwd(lin_res, dy, recipe=recipe)
-    dx, dnorm_w, dnorm_b = _norm_backward(kind, norm_res, dh, eps=eps, zero_centered_gamma=zero_centered_gamma)
-    return dx, dnorm_w, dnorm_b, dweight, dbias, state_ct
-
-
+# (backward: fp8_linear's rule, then the norm's)
 forward_norm_fp8_linear = custom_vjp(
-    "forward_norm_fp8_linear", _forward_norm_fp8_linear_fwd, _forward_norm_fp8_linear_bwd
+    "forward_norm_fp8_linear",
+    _forward_norm_fp8_linear_fwd,
+    functools.partial(q_in_norm_backward, fp8._fp8_linear),
 )
 """``fp8_linear(norm(x, norm_weight[, norm_bias]), weight, bias, state)`` with the norm's output
 quantized in the norm kernel (q-in). Covers ``layer_norm | rms_norm, fp8_linear``."""
@@ -102,15 +99,10 @@ def _forward_activation_fp8_linear_fwd(x, weight, bias, state, *, name, limit, a
     return y, ((x, None), lin_res)  # the activation's residuals (its input), fp8_linear's
 
 
-def _forward_activation_fp8_linear_bwd(res, dy, *, name, limit, alpha, offset, recipe):
-    act_res, lin_res = res
-    dh, dweight, dbias, state_ct = fp8._fp8_linear.bwd(lin_res, dy, recipe=recipe)
-    dx, _ = act._activation.bwd(act_res, dh, name=name, interleave=0, limit=limit, alpha=alpha, offset=offset)
-    return dx, dweight, dbias, state_ct
-
-
 forward_activation_fp8_linear = custom_vjp(
-    "forward_activation_fp8_linear", _forward_activation_fp8_linear_fwd, _forward_activation_fp8_linear_bwd
+    "forward_activation_fp8_linear",
+    _forward_activation_fp8_linear_fwd,
+    functools.partial(q_in_activation_backward, fp8._fp8_linear),
 )
 """``fp8_linear(act(x), weight, bias, state)`` with the activation's output quantized in the
 activation kernel (q-in; elementwise, gated and clamped activations, chunked layout). Covers
