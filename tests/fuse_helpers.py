@@ -59,6 +59,40 @@ def assert_matches_float64(fused: Callable, fn: Callable, args: Sequence, *, see
             assert_close(g, r, dtype=tolerance_dtype(g.dtype), msg=f"{what} gradient {i}", scale_atol=True)
 
 
+def check_forward_residuals(plan, tensors: Sequence[torch.Tensor], *, not_bitwise: Sequence[str] = ()) -> int:
+    """TE's equivalence contract: run ``plan.forward`` eqn by eqn on ``tensors`` (the program's tensor
+    inputs) and assert that each forward fusion returns exactly the residuals its covered ops'
+    forwards return on the same inputs (bit for bit, except for the fused ops named in
+    ``not_bitwise``: same dtypes and shapes). Returns the number of forward fusions checked."""
+    from functe._tree import tree_unflatten
+
+    def run(eqn, env):
+        vals = [env[a] if isinstance(a, functe.Var) else a.value for a in eqn.inputs]
+        out, res = eqn.op.fwd(*tree_unflatten(eqn.in_tree, vals), **eqn.params)
+        env.update(zip(eqn.outputs, functe.tree_leaves(out)))
+        return res
+
+    env = dict(zip(plan.program.inputs, tensors))
+    checked = 0
+    for e in plan.forward.eqns:
+        res = run(e, env)
+        if e.phase != "forward":
+            continue
+        local = dict(env)  # the unfused chain of the covered ops, from the same inputs
+        expected = tuple(run(c, local) for c in e.covers)
+        got_leaves, got_tree = functe.tree_flatten(res)
+        exp_leaves, exp_tree = functe.tree_flatten(expected)
+        assert got_tree == exp_tree, e.name
+        for a, b in zip(got_leaves, exp_leaves):
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and a.shape == b.shape, e.name
+                assert e.name in not_bitwise or torch.equal(a, b), e.name
+            else:
+                assert a == b, e.name
+        checked += 1
+    return checked
+
+
 def oplist_text(fn: Callable, *args, **kwargs) -> str:
     return str(functe.trace(fn)(*args, **kwargs))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fuse_helpers import draw
+from fuse_helpers import check_forward_residuals, draw
 
 import functe
 from functe import ops
@@ -247,38 +247,11 @@ def test_block_rules_decline_with_reasons():
 
 def test_the_forward_residuals_are_the_covered_ops_residuals():
     """TE's equivalence contract for the two block fusions (see test_fuse_phase2 for the others)."""
-    from functe._tree import tree_unflatten
-
     gen = torch.Generator().manual_seed(4)
     args = [draw(s, BF16, gen) for s in [(5, 32), (32,), (32,), (48, 32), (48,), (32, 48), (32,)]]
     args += [torch.tensor(5), torch.tensor(6)]
     plan = functe.fuse(lambda *a: mlp(*a, recipe=NVFP4, kind="layer")).plan(*args)
-    env = dict(zip(plan.program.inputs, args))
-    checked = 0
-    for e in plan.forward.eqns:
-        vals = [env[a] if isinstance(a, functe.Var) else a.value for a in e.inputs]
-        out, res = e.op.fwd(*tree_unflatten(e.in_tree, vals), **e.params)
-        for v, o in zip(e.outputs, functe.tree_leaves(out)):
-            env[v] = o
-        if e.phase != "forward":
-            continue
-        local, expected = dict(env), []
-        for c in e.covers:
-            cvals = [local[a] if isinstance(a, functe.Var) else a.value for a in c.inputs]
-            cout, cres = c.op.fwd(*tree_unflatten(c.in_tree, cvals), **c.params)
-            for v, o in zip(c.outputs, functe.tree_leaves(cout)):
-                local[v] = o
-            expected.append(cres)
-        got_leaves, got_tree = functe.tree_flatten(res)
-        exp_leaves, exp_tree = functe.tree_flatten(tuple(expected))
-        assert got_tree == exp_tree, e.name
-        for a, b in zip(got_leaves, exp_leaves):
-            if isinstance(a, torch.Tensor):
-                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), e.name
-            else:
-                assert a == b, e.name
-        checked += 1
-    assert checked == 2
+    assert check_forward_residuals(plan, args) == 2
 
 
 ACTS = [*_act.ACTIVATIONS, *_act.GATED, "clamped_swiglu"]

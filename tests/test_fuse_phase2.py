@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fuse_helpers import F64, assert_matches_float64, draw, outputs_and_grads
+from fuse_helpers import F64, assert_matches_float64, check_forward_residuals, draw, outputs_and_grads
 from helpers import check_transforms, make
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import functe
 from functe import ops
-from functe._tree import tree_unflatten
 from functe.ops import _fused, _fused_fp8
 from functe.rules import DEFAULT_RULES, RuleSet, check, rewrite
 from functe.rules.activation import BACKWARD_ACTIVATION_BIAS, FORWARD_LINEAR_BIAS_ACTIVATION
@@ -496,35 +495,9 @@ def test_forward_fusions_return_exactly_the_covered_ops_residuals(recipe):
     args = _block_args((5,), 16, 32, BF16, recipe, gen)
     program = lambda *a: block(*a, recipe=recipe)
     plan = functe.fuse(program).plan(*args)
-    env = dict(zip(plan.program.inputs, [t for t in functe.tree_leaves(args) if isinstance(t, torch.Tensor)]))
-    checked = 0
-    for e in plan.forward.eqns:
-        vals = [env[a] if isinstance(a, functe.Var) else a.value for a in e.inputs]
-        out, res = e.op.fwd(*tree_unflatten(e.in_tree, vals), **e.params)
-        for v, o in zip(e.outputs, functe.tree_leaves(out)):
-            env[v] = o
-        if e.phase != "forward":
-            continue
-        # the unfused chain of the covered ops, from the same inputs
-        local = dict(env)
-        expected = []
-        for c in e.covers:
-            cvals = [local[a] if isinstance(a, functe.Var) else a.value for a in c.inputs]
-            cout, cres = c.op.fwd(*tree_unflatten(c.in_tree, cvals), **c.params)
-            for v, o in zip(c.outputs, functe.tree_leaves(cout)):
-                local[v] = o
-            expected.append(cres)
-        got_leaves, got_tree = functe.tree_flatten(res)
-        exp_leaves, exp_tree = functe.tree_flatten(tuple(expected))
-        assert got_tree == exp_tree, e.name
-        for a, b in zip(got_leaves, exp_leaves):
-            if isinstance(a, torch.Tensor):
-                assert a.dtype == b.dtype and a.shape == b.shape, e.name
-                if e.name != "forward_linear_add":  # (its GEMM with a bias rounds once: not bitwise)
-                    assert torch.equal(a, b), e.name
-            else:
-                assert a == b, e.name
-        checked += 1
+    tensors = [t for t in functe.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    # (forward_linear_add's GEMM with a bias rounds once: not bitwise)
+    checked = check_forward_residuals(plan, tensors, not_bitwise=("forward_linear_add",))
     assert checked == 2  # (the q-in pair, or linear+activation and linear+add)
 
 
