@@ -59,6 +59,20 @@ def assert_matches_float64(fused: Callable, fn: Callable, args: Sequence, *, see
             assert_close(g, r, dtype=tolerance_dtype(g.dtype), msg=f"{what} gradient {i}", scale_atol=True)
 
 
+def vjp_wrt(fn: Callable, args: Sequence, ct, wrt: Sequence[int]):
+    """``(fn(*args), cotangents of args[i] for i in wrt)`` through ``torch.func.vjp`` for output cotangent
+    ``ct``, the other arguments held fixed."""
+
+    def call(*present):
+        full = list(args)
+        for i, a in zip(wrt, present):
+            full[i] = a
+        return fn(*full)
+
+    out, pull = torch.func.vjp(call, *(args[i] for i in wrt))
+    return out, pull(ct)
+
+
 def check_forward_residuals(plan, tensors: Sequence[torch.Tensor], *, not_bitwise: Sequence[str] = ()) -> int:
     """TE's equivalence contract: run ``plan.forward`` eqn by eqn on ``tensors`` (the program's tensor
     inputs) and assert that each forward fusion returns exactly the residuals its covered ops'

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fuse_helpers import check_forward_residuals, draw
+from fuse_helpers import check_forward_residuals, draw, vjp_wrt
 
 import functe
 from functe import ops
@@ -60,16 +60,9 @@ def _rewritten(fn, *args, recipe=None):
 
 def _vjp_all(fn, args, ct):
     """Output and the cotangents of every floating argument."""
-    where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-
-    def call(*present):
-        full = list(args)
-        for i, a in zip(where, present):
-            full[i] = a
-        return fn(*full)
-
-    out, pull = torch.func.vjp(call, *(args[i] for i in where))
-    return [out, *pull(ct)]
+    floating = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    out, cts = vjp_wrt(fn, args, ct, floating)
+    return [out, *cts]
 
 
 def _assert_bitwise(got, expected, what):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fuse_helpers import F64, assert_matches_float64, check_forward_residuals, draw, outputs_and_grads
+from fuse_helpers import F64, assert_matches_float64, check_forward_residuals, draw, outputs_and_grads, vjp_wrt
 from helpers import check_transforms, make
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -373,16 +373,7 @@ def _leaves(tree):
 
 def _vjp_all(fn, args, ct):
     """Output and the cotangents of every non-None argument (states included: their next values)."""
-    where = [i for i, a in enumerate(args) if a is not None]
-
-    def call(*present):
-        full = list(args)
-        for i, a in zip(where, present):
-            full[i] = a
-        return fn(*full)
-
-    out, pull = torch.func.vjp(call, *(args[i] for i in where))
-    return out, pull(ct)
+    return vjp_wrt(fn, args, ct, [i for i, a in enumerate(args) if a is not None])
 
 
 @settings(max_examples=8, deadline=None)
