@@ -33,6 +33,7 @@ from ._recipe import CurrentScaling, DelayedScaling, Recipe
 from ._state import ScalingState, check_scaling_state, init_scaling_state
 from ._tree import NAMESPACE, pytree_dataclass, tree_unflatten
 from ._vjp import custom_vjp
+from .kernels._fp8_cast import current_scale as scale_for_amax
 
 Tensor = torch.Tensor
 
@@ -155,14 +156,7 @@ def current_scale(amax: Tensor, *, recipe: CurrentScaling, role: str) -> Tensor:
         >>> current_scale(torch.tensor(3.0), recipe=functe.CurrentScaling(power_2_scales=True), role="input").item()
         128.0
     """
-    amax = torch.clamp_min(amax.to(torch.float32), recipe.amax_epsilon)
-    scale = torch.full_like(amax, recipe.max(role)) / amax  # one rounding (see delayed_scaling_update)
-    bad = (amax == 0) | ~torch.isfinite(amax)
-    scale = torch.where(bad, torch.ones_like(scale), scale)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
-    if recipe.power_2_scales:
-        scale = (scale.view(torch.int32) & -(1 << 23)).view(torch.float32)  # clear the mantissa
-    return scale
+    return scale_for_amax(amax, recipe.max(role), recipe.amax_epsilon, recipe.power_2_scales)
 
 
 # ----------------------------------------------------------------------------- cotangent protocol

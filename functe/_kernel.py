@@ -23,8 +23,14 @@ would otherwise record it on large CPU tensors: its ``forward`` sees plain
 tensors with nothing recording, so the twin takes its CPU fast path (one fused
 ATen call where the differentiable formula takes a dozen: measured 1.5x to 4.7x
 faster under ``torch.func.vjp`` at 8192x4096); second derivatives still
-differentiate the formula. Small tensors call the twin directly, where a
-Function costs more per call than the formula's ops (see the threshold).
+differentiate the formula. Twins with a CPU fast path (most activation, norm,
+dropout and quantizing twins: ``Kernel(..., fast_path=True)``, the default) go
+through the Function at every size, so a kernel returns the same bits whether
+or not autograd or a transform records it (the fast path and the formula may
+round differently, and an FP8 amax or a fused-vs-unfused comparison sees every
+ulp). Twins without one (``fast_path=False``) call the twin directly on small
+tensors, where a Function costs more per call than the formula's ops (see the
+threshold).
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ Tensor = torch.Tensor
 
 
 TWIN_FUNCTION_MIN_ELEMENTS = 1 << 16
-"""A recorded twin call whose first tensor has at least this many elements runs as a Function
-(see the module docstring). Measured under ``torch.func.vjp``, one thread: at 4,096 elements the
+"""A recorded call of a twin without a fast path whose first tensor has at least this many elements
+runs as a Function (see the module docstring). Measured under ``torch.func.vjp``, one thread: at 4,096 elements the
 Function costs up to 66 us more than it saves (swiglu 585 vs 519 us), at 65,536 it is about even
 (silu 464 vs 508, swiglu 685 vs 629, layer_norm 588 vs 656 us), at 262,144 it wins for every op
 (layer_norm 743 vs 3,410 us)."""
@@ -72,15 +78,22 @@ class Kernel:
             its inputs.
         twin: PyTorch function with the same signature and results.
         batch: a :class:`Rowwise` rule, or ``None`` to vmap the twin.
+        fast_path: whether the twin (or a twin it calls) has a CPU fast path
+            (``functe.kernels._fast.eager_cpu``) whose bits may differ from its
+            differentiable formula; recorded calls then always run it through
+            the Function (see the module docstring).
     """
 
-    def __init__(self, name: str, launcher: Callable, twin: Callable, *, batch: Rowwise | None = None):
+    def __init__(
+        self, name: str, launcher: Callable, twin: Callable, *, batch: Rowwise | None = None, fast_path: bool = True
+    ):
         if list(inspect.signature(launcher).parameters) != list(inspect.signature(twin).parameters):
             raise TypeError(f"kernel {name}: launcher and twin must have the same signature")
         self.name = name
         self.launcher = launcher
         self.twin = twin
         self.batch = batch
+        self.fast_path = fast_path
         self.op = torch.library.custom_op(f"functe::{name}", launcher, mutates_args=())
         # The twin is plain torch, so on fake tensors it computes exactly the
         # output shapes and dtypes: it serves as the op's fake implementation.
@@ -94,15 +107,17 @@ class Kernel:
                 break
         if runs_triton(first.device):
             run, function = self.op, self.function
-        elif first.numel() < TWIN_FUNCTION_MIN_ELEMENTS or type(first) is not Tensor or first.device.type != "cpu":
-            return self.twin(*args)  # (the common path: no list of tensors built)
+        elif type(first) is not Tensor or first.device.type != "cpu":
+            return self.twin(*args)
         else:
             run, function = self.twin, self.twin_function
         if torch.compiler.is_compiling():
             # Dynamo cannot nest a Function inside the op Function it traces; the opaque
             # custom op (or the plain-torch twin) is all it needs (compiled code is first-order).
             return run(*args)
-        if _needs_autograd([a for a in args if isinstance(a, Tensor)]):
+        if _needs_autograd(args):
+            if run is self.twin and not self.fast_path and first.numel() < TWIN_FUNCTION_MIN_ELEMENTS:
+                return run(*args)  # recorded as it runs: cheaper than a Function at this size, same bits
             return function.apply(*args)
         return run(*args)
 
@@ -110,11 +125,16 @@ class Kernel:
         return f"Kernel({self.name})"
 
 
-def _needs_autograd(tensors: list[Tensor]) -> bool:
-    """Whether a launch must be recorded: a tensor requires grad or is a torch.func wrapper."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return True
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+def _needs_autograd(args: Sequence[Any]) -> bool:
+    """Whether a launch must be recorded: a tensor argument requires grad or is a torch.func wrapper."""
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, Tensor) and ((grad and a.requires_grad) or _is_wrapped(a)):
+            return True
+    return False
+
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _float_positions(args: Sequence[Any]) -> list[int]:

@@ -424,11 +424,14 @@ def test_block_with_recipes_matches_unfused(lead, k, n, dtype, recipe, act, kind
 # ----------------------------------------------------------------------------- the scaling-state protocol
 
 
-def test_states_come_back_through_the_gradient_exactly_as_unfused(backend):
+@pytest.mark.parametrize(("dtype", "act"), [(BF16, "gelu"), (torch.float32, "silu")], ids=str)
+def test_states_come_back_through_the_gradient_exactly_as_unfused(backend, dtype, act):
+    # (fp32 sees every ulp of the activation backward: the unfused ops under torch.func once ran the
+    # formula where the fused backward ran the fast path, and the grad_output amax differed)
     recipe = functe.DelayedScaling(amax_history_len=4, margin=1)
     gen = torch.Generator().manual_seed(5)
-    x, g, beta, w1, b1, w2, b2, _, _ = _block_args((6,), 16, 32, BF16, recipe, gen)
-    params = {"g": g, "beta": beta, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w_dead": draw((4, 16), BF16, gen)}
+    x, g, beta, w1, b1, w2, b2, _, _ = _block_args((6,), 16, 32, dtype, recipe, gen)
+    params = {"g": g, "beta": beta, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w_dead": draw((4, 16), dtype, gen)}
     unused = functe.init_linear_scaling_state(recipe)  # an fp8_linear whose output nothing uses
     fresh = functe.init_linear_scaling_state(recipe)
     state = {"fc1": fresh, "fc2": functe.init_linear_scaling_state(recipe), "dead": unused}
@@ -436,7 +439,9 @@ def test_states_come_back_through_the_gradient_exactly_as_unfused(backend):
     def model(p, s, x):
         dead = ops.fp8_linear(x, p["w_dead"], None, s["dead"], recipe=recipe)
         del dead
-        return block(x, p["g"], p["beta"], p["w1"], p["b1"], p["w2"], p["b2"], s["fc1"], s["fc2"], recipe=recipe)
+        return block(
+            x, p["g"], p["beta"], p["w1"], p["b1"], p["w2"], p["b2"], s["fc1"], s["fc2"], recipe=recipe, act=act
+        )
 
     results = []
     for rules in (None, RuleSet()):
@@ -455,6 +460,36 @@ def test_states_come_back_through_the_gradient_exactly_as_unfused(backend):
     assert not torch.equal(s["fc1"].input.amax_history, fresh.input.amax_history)
     for key in params:
         assert_close(grads[key], grads_u[key], msg=key)  # (backward_add_norm rounds dx once: not bitwise)
+
+
+@pytest.mark.parametrize("act", ["silu", "qgelu"])
+def test_fp32_activation_between_fp8_linears_is_bitwise_under_every_api(act):
+    # fp8_linear -> act -> fp8_linear in fp32: the fused dact+dbias(+cast) backward, the unfused ops
+    # under torch.func (value_and_grad) and under plain autograd must agree to the bit, in the bias
+    # gradient and in the grad_output amax. Small recorded twin calls used to run the activation's
+    # formula, which rounds differently from its fast path (aten.silu_backward).
+    recipe = functe.DelayedScaling(amax_history_len=1)
+    total = functe.opaque(lambda y, dy: (y * dy).sum())
+
+    def loss_fn(p, s, x, dy):
+        h = ops.activation(ops.fp8_linear(x, p["w1"], p["b1"], s["fc1"], recipe=recipe), act)
+        return total(ops.fp8_linear(h, p["w2"], None, s["fc2"], recipe=recipe), dy)
+
+    fused = functe.fuse(loss_fn, recipe=recipe)
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        p = {"w1": draw((16, 16), torch.float32, gen), "b1": draw((16,), torch.float32, gen)}
+        p["w2"] = draw((16, 16), torch.float32, gen)
+        x, dy = draw((4, 16), torch.float32, gen), draw((4, 16), torch.float32, gen)
+        s = {k: functe.init_linear_scaling_state(recipe) for k in ("fc1", "fc2")}
+        _, grads, states = functe.value_and_grad(loss_fn)(p, s, x, dy)
+        _, grads_f, states_f = functe.value_and_grad(fused)(p, s, x, dy)
+        tracked = {k: v.clone().requires_grad_() for k, v in p.items()}
+        grads_a = dict(zip(p, torch.autograd.grad(loss_fn(tracked, s, x, dy), list(tracked.values()))))
+        for k in p:
+            assert torch.equal(grads[k], grads_f[k]) and torch.equal(grads[k], grads_a[k]), (seed, k)
+        for a, b in zip(_leaves(states), _leaves(states_f)):
+            assert torch.equal(a, b), seed
 
 
 def test_vmap_of_value_and_grad_keeps_one_state_per_member():

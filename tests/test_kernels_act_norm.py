@@ -155,6 +155,42 @@ def test_fast_path_matches_reference_path_across_many_chunks(dtype, monkeypatch)
             )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kernel_returns_the_same_bits_whether_or_not_it_is_recorded(dtype):
+    """At small sizes too: an FP8 amax, and the fused-vs-unfused contract, see every ulp. (The fast
+    path and the formula round differently, e.g. silu_backward; recorded small calls ran the formula.)"""
+    x, s, dy, dy_g = make((5, 24), dtype), make((5,), dtype), make((5, 24), dtype), make((5, 12), dtype)
+    w = make((24,), dtype)
+    _, mean, rstd = nk.layer_norm_ref(x, w, w, 1e-5, False)
+    cases = [
+        (nk.LAYER_NORM, (x, w, w, 1e-5, False)),
+        (nk.LAYER_NORM_BWD, (dy, x, mean, rstd, w, False)),
+        (nk.RMS_NORM_BWD, (dy, x, w, 1e-5, False)),
+        (nk.L2_NORMALIZE_BWD, (dy, x, 1e-6)),
+    ]
+    cases += [(ak.DACTIVATION, (dy, x, n, 0, 0.0, 0.0, 0.0)) for n in ("gelu", "silu", "qgelu", "sigmoid", "srelu")]
+    cases += [(ak.DACTIVATION, (dy_g, x, n, 0, 7.0, 1.702, 1.0)) for n in ("swiglu", "geglu", "clamped_swiglu")]
+    cases += [(ak.DACTIVATION_SCALED, (dy_g, x, s, "swiglu", 0, 0.0, 0.0, 0.0))]
+    cases += [(ak.ACTIVATION, (x, n, 0, 0.0, 0.0, 0.0)) for n in ("qgelu", "srelu", "swiglu")]
+    for kernel, args in cases:
+        label = (kernel.name, [a for a in args if not isinstance(a, torch.Tensor)])
+        plain = kernel(*args)
+        index = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+        def call(*values, kernel=kernel, args=args, index=index):
+            full = list(args)
+            for i, v in zip(index, values):
+                full[i] = v
+            out = kernel(*full)
+            return out if isinstance(out, tuple) else (out,)
+
+        tracked = call(*(args[i].detach().clone().requires_grad_() for i in index))
+        under_grad = torch.func.vjp(call, *(args[i] for i in index))[0]
+        for name, got in (("autograd", tracked), ("torch.func", under_grad)):
+            for p, g in zip(plain if isinstance(plain, tuple) else (plain,), got):
+                assert torch.equal(p, g.detach()), (*label, name)
+
+
 def test_fast_path_keeps_nan_and_inf_semantics():
     x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 0.0, -2.0, 3.0]])
     dy = torch.tensor([[1.0, 1.0, float("inf"), float("nan"), 2.0, -1.0]])

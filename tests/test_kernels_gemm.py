@@ -277,6 +277,20 @@ def test_current_scaling_two_phases():
     assert amax == 0 and scale_inv == 1.0 and (q.float() == 0).all()  # TE: amax 0 keeps scale 1
 
 
+def test_current_scale_is_one_correctly_rounded_division():
+    # TE: scale = fp8_max / amax rounded once. 448.0 / amax (a Python float over a tensor) is computed
+    # as reciprocal(amax) * 448 and was off by an ulp for about a quarter of these amaxes.
+    amax = torch.rand(400, generator=torch.Generator().manual_seed(0), dtype=torch.float64).mul(20).float()
+    exact = (torch.full_like(amax, 448.0, dtype=torch.float64) / amax.double()).float()  # RN of the exact quotient
+    got = torch.stack([gemm_fp8.current_scale(a, 448.0) for a in amax])
+    assert torch.equal(got, exact)
+    recipe = functe.CurrentScaling(fp8_format=functe.Format.E4M3)
+    assert torch.equal(got, torch.stack([functe.current_scale(a, recipe=recipe, role="input") for a in amax]))
+    x, w = make((4, K), torch.float32), make((N, K), torch.float32)
+    _, scale_inv, amax = gemm_fp8.gemm_quantize_current(x, w, E4M3)
+    assert torch.equal(scale_inv, torch.reciprocal((torch.tensor(448.0, dtype=torch.float64) / amax.double()).float()))
+
+
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 def test_cast_kernel_rounds_like_torch_on_every_value_and_midpoint(fp8):
     codes = torch.arange(256, dtype=torch.uint8).view(fp8).float()

@@ -49,7 +49,10 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     The row count is explicit: ``reshape(-1, 0)`` is ambiguous for an empty last dimension (a linear
     with no input or no output features). A 0-d ``t`` is one row of one element.
     """
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]) if t.dim() else t.reshape(1, 1)
+    dim = t.dim()
+    if dim == 2:
+        return t  # (already rows: a reshape to the same shape would still cost a dispatch)
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]) if dim else t.reshape(1, 1)
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -78,14 +78,23 @@ def saturating_cast_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 FLT_MAX = torch.finfo(torch.float32).max
 
 
-def current_scale(amax: torch.Tensor, dtype: torch.dtype, epsilon: float = 0.0) -> torch.Tensor:
+def current_scale(amax: torch.Tensor, max_value: float, epsilon: float = 0.0, power_2: bool = False) -> torch.Tensor:
     """TE's current-scaling scale from an amax (fp32 0-d), without a host sync.
 
-    ``scale = max / max(amax, epsilon)``; an amax of 0, inf or NaN gives 1; an
-    infinite scale (tiny amax) gives FLT_MAX.
+    ``scale = max_value / max(amax, epsilon)``, one correctly rounded fp32 division (a Python float
+    divided by a tensor is evaluated as ``reciprocal(amax) * max``: two roundings); an amax of 0,
+    inf or NaN gives 1; an infinite scale (tiny amax) gives FLT_MAX; ``power_2`` rounds the scale
+    down to a power of two. The one formula behind ``functe.current_scale`` and the GEMM kernels.
+
+    Example:
+        >>> current_scale(torch.tensor(7.632362365722656), 448.0).item()  # RN(448 / amax)
+        58.69742202758789
     """
-    a = torch.clamp(amax.float(), min=epsilon)
-    scale = fp8_max(dtype) / a
+    a = torch.clamp_min(amax.to(torch.float32), epsilon)
+    scale = torch.full_like(a, max_value) / a
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
     bad = (a == 0) | ~torch.isfinite(a)
-    return torch.where(bad, torch.ones_like(scale), scale)
+    scale = torch.where(bad, torch.ones_like(scale), scale)
+    if power_2:
+        scale = (scale.view(torch.int32) & -(1 << 23)).view(torch.float32)  # clear the mantissa
+    return scale

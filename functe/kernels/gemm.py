@@ -813,12 +813,14 @@ def gemm_wgrad_dbias_ref(
 # Rowwise: x/dy/residual/accum/z rows fold a vmapped dimension into M; W, bias and
 # the scale_invs are parameters (batching those vmaps the twin). wgrad reduces over
 # the rows, so it batches by vmapping the twin.
-GEMM = Kernel("gemm", gemm, gemm_ref, batch=Rowwise(params=(1, 2, 6, 7)))
-GEMM_PREACT = Kernel("gemm_preact", gemm_preact, gemm_preact_ref, batch=Rowwise(params=(1, 2, 6, 7)))
-GEMM_DGRAD = Kernel("gemm_dgrad", gemm_dgrad, gemm_dgrad_ref, batch=Rowwise(params=(1, 4, 5)))
-GEMM_DGRAD_DACT = Kernel("gemm_dgrad_dact", gemm_dgrad_dact, gemm_dgrad_dact_ref, batch=Rowwise(params=(2,)))
-GEMM_WGRAD = Kernel("gemm_wgrad", gemm_wgrad, gemm_wgrad_ref)
-GEMM_WGRAD_DBIAS = Kernel("gemm_wgrad_dbias", gemm_wgrad_dbias, gemm_wgrad_dbias_ref)
+GEMM = Kernel("gemm", gemm, gemm_ref, batch=Rowwise(params=(1, 2, 6, 7)), fast_path=False)
+GEMM_PREACT = Kernel("gemm_preact", gemm_preact, gemm_preact_ref, batch=Rowwise(params=(1, 2, 6, 7)), fast_path=False)
+GEMM_DGRAD = Kernel("gemm_dgrad", gemm_dgrad, gemm_dgrad_ref, batch=Rowwise(params=(1, 4, 5)), fast_path=False)
+GEMM_DGRAD_DACT = Kernel(
+    "gemm_dgrad_dact", gemm_dgrad_dact, gemm_dgrad_dact_ref, batch=Rowwise(params=(2,)), fast_path=False
+)
+GEMM_WGRAD = Kernel("gemm_wgrad", gemm_wgrad, gemm_wgrad_ref, fast_path=False)
+GEMM_WGRAD_DBIAS = Kernel("gemm_wgrad_dbias", gemm_wgrad_dbias, gemm_wgrad_dbias_ref, fast_path=False)
 
 
 # ----------------------------------------------------------------------------- donated accumulators

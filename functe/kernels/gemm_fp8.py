@@ -28,7 +28,7 @@ from .._backend import interpreting
 from .._errors import check_same_device, check_tensor, dtype_error, dtype_name, shape_error
 from .._kernel import Kernel, Rowwise
 from ._common import as_rows, rows_view
-from ._fp8_cast import FP8_DTYPES, current_scale, fp8_format, saturating_cast, saturating_cast_ref
+from ._fp8_cast import FP8_DTYPES, current_scale, fp8_format, fp8_max, saturating_cast, saturating_cast_ref
 from ._triton import ELEMENTWISE_BLOCK, jit
 from .gemm import check_forward, forward_ref, run_gemm
 
@@ -193,9 +193,9 @@ def cast_fp8_ref(y: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return saturating_cast_ref(y.to(torch.float32) * scale.reshape(()), fp8_dtype)
 
 
-GEMM_AMAX = Kernel("gemm_amax", gemm_amax, gemm_amax_ref)  # amax reduces over rows: vmaps the twin
-GEMM_QUANTIZE = Kernel("gemm_quantize", gemm_quantize, gemm_quantize_ref)
-CAST_FP8 = Kernel("gemm_cast_fp8", cast_fp8, cast_fp8_ref, batch=Rowwise(params=(1,)))
+GEMM_AMAX = Kernel("gemm_amax", gemm_amax, gemm_amax_ref, fast_path=False)  # amax reduces over rows: vmaps the twin
+GEMM_QUANTIZE = Kernel("gemm_quantize", gemm_quantize, gemm_quantize_ref, fast_path=False)
+CAST_FP8 = Kernel("gemm_cast_fp8", cast_fp8, cast_fp8_ref, batch=Rowwise(params=(1,)), fast_path=False)
 
 
 def gemm_quantize_current(
@@ -226,5 +226,5 @@ def gemm_quantize_current(
         (3.0, [448.0, 448.0, 448.0, 448.0])
     """
     y, amax = GEMM_AMAX(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv, out_dtype)
-    scale = current_scale(amax, fp8_dtype, epsilon)
+    scale = current_scale(amax, fp8_max(fp8_dtype), epsilon)
     return CAST_FP8(y, scale, fp8_dtype), torch.reciprocal(scale), amax
