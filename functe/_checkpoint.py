@@ -22,6 +22,25 @@ def _key(path: tuple) -> str:
     return ".".join(str(k) for k in path)
 
 
+def _keyed_leaves(tree: Any, op: str) -> tuple[list[tuple[str, Any]], Any]:
+    """``([(dotted key, leaf)], treespec)``; refuses two paths with one key (``{"a.b": ..}`` next to
+    ``{"a": {"b": ..}}``, or the keys ``1`` and ``"1"``): a flat dict would keep only one of them."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=True, namespace=NAMESPACE)
+    seen: dict[str, tuple] = {}
+    keyed = []
+    for path, leaf in zip(paths, leaves):
+        key = _key(path)
+        if leaf is not None:
+            if key in seen:
+                raise StateError(
+                    f"functe.{op}: the paths {seen[key]!r} and {path!r} both flatten to the key {key!r}; "
+                    "rename one of them"
+                )
+            seen[key] = path
+        keyed.append((key, leaf))
+    return keyed, spec
+
+
 def tree_to_dict(tree: Any) -> dict[str, torch.Tensor]:
     """The tensor leaves of ``tree`` by dotted key path (``None`` leaves are left out).
 
@@ -30,14 +49,13 @@ def tree_to_dict(tree: Any) -> dict[str, torch.Tensor]:
         >>> sorted(functe.tree_to_dict({"fc1": functe.init_scaling_state(2), "step": torch.zeros(())}))
         ['fc1.amax_history', 'fc1.scale', 'step']
     """
-    paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True, namespace=NAMESPACE)
     out = {}
-    for path, leaf in zip(paths, leaves):
+    for key, leaf in _keyed_leaves(tree, "tree_to_dict")[0]:
         if leaf is None:
             continue
         if not isinstance(leaf, torch.Tensor):
-            raise StateError(f"functe.tree_to_dict: leaf {_key(path)!r} is {describe(leaf)}, not a tensor")
-        out[_key(path)] = leaf
+            raise StateError(f"functe.tree_to_dict: leaf {key!r} is {describe(leaf)}, not a tensor")
+        out[key] = leaf
     return out
 
 
@@ -50,22 +68,25 @@ def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
         >>> functe.tree_from_dict(s, functe.tree_to_dict(s)).scale.item()
         1.0
     """
-    paths, leaves, spec = optree.tree_flatten_with_path(like, none_is_leaf=True, namespace=NAMESPACE)
-    wanted = {_key(p) for p, leaf in zip(paths, leaves) if leaf is not None}
+    keyed, spec = _keyed_leaves(like, "tree_from_dict")
+    wanted = {key for key, leaf in keyed if leaf is not None}
     if missing := sorted(wanted - set(flat)):
         raise StateError(f"functe.tree_from_dict: missing {missing}")
     if extra := sorted(set(flat) - wanted):
         raise StateError(f"functe.tree_from_dict: unexpected {extra}")
     out = []
-    for path, leaf in zip(paths, leaves):
+    for key, leaf in keyed:
         if leaf is None:
             out.append(None)
             continue
-        value = flat[_key(path)]
+        value = flat[key]
+        if not isinstance(leaf, torch.Tensor):
+            raise StateError(f"functe.tree_from_dict: template leaf {key!r} is {describe(leaf)}, not a tensor")
+        if not isinstance(value, torch.Tensor):
+            raise StateError(f"functe.tree_from_dict: {key!r} expected {describe(leaf)}, got {describe(value)}")
         if value.shape != leaf.shape or value.dtype != leaf.dtype:
             raise StateError(
-                f"functe.tree_from_dict: {_key(path)!r} expected {describe(leaf)} (as in the template), "
-                f"got {describe(value)}"
+                f"functe.tree_from_dict: {key!r} expected {describe(leaf)} (as in the template), got {describe(value)}"
             )
         out.append(value.to(leaf.device))
     return optree.tree_unflatten(spec, out)

@@ -32,12 +32,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import zlib
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from ._errors import DistributedError, DTypeError, ShapeError, describe, dtype_name
+from ._errors import ArgumentError, DistributedError, DTypeError, ShapeError, describe, dtype_name
 
 Tensor = torch.Tensor
 
@@ -78,7 +79,7 @@ def resolve_group(op: str, group: object, arg: str = "group") -> Group:
             return SINGLE
         group = dist.group.WORLD
     if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(
+        raise ArgumentError(
             f"functe.{op}: argument '{arg}' expected a torch.distributed.ProcessGroup or None, "
             f"got {type(group).__name__}"
         )
@@ -117,18 +118,21 @@ def collective_checks(enabled: bool) -> Iterator[None]:
 
 # dtype codes for the signature (a dtype missing here gets -1 and is compared by that)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, *_FP8, torch.int64, torch.int32, torch.uint8)
-_MAX_DIMS = 12
+_MAX_DIMS = 12  # listed one by one; any further dims enter a checksum
 
 
 def _signature(kind: str, x: Tensor, dim: int, op: str) -> list[int]:
     code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
     dims = list(x.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(x.dim(), _MAX_DIMS))
-    return [KINDS.index(kind), dim, REDUCTIONS.index(op), code, x.dim(), x.numel(), *dims]
+    rest = zlib.crc32(repr(tuple(x.shape[_MAX_DIMS:])).encode())
+    return [KINDS.index(kind), dim, REDUCTIONS.index(op), code, x.dim(), x.numel(), *dims, rest]
 
 
 def _describe_signature(sig: list[int]) -> str:
     kind, dim, op, code, ndim = KINDS[sig[0]], sig[1], REDUCTIONS[sig[2]], sig[3], sig[4]
-    shape = ",".join(str(d) for d in sig[6 : 6 + min(ndim, _MAX_DIMS)]) + (",..." if ndim > _MAX_DIMS else "")
+    shape = ",".join(str(d) for d in sig[6 : 6 + min(ndim, _MAX_DIMS)])
+    if ndim > _MAX_DIMS:
+        shape += f",...(checksum {sig[6 + _MAX_DIMS]:08x})"
     args = [f"{dtype_name(_DTYPES[code]) if code >= 0 else '?'}[{shape}]"]
     if kind != "all_reduce":
         args.append(f"dim={dim}")
@@ -161,6 +165,34 @@ def _check(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> N
             "(every rank must run the same ops in the same order)"
         )
     raise ShapeError(f"functe.{who}: every rank of {group!r} must pass the same shape and dtype: {listing}")
+
+
+def check_same_layout(layout: str, like: Tensor, group: Group, who: str) -> None:
+    """Raise on every rank unless all ranks pass the same ``layout`` (a description of a pytree's
+    structure, shapes and dtypes): a flat buffer of one size can hide different layouts."""
+    if group.size == 1 or _skip_check(like):
+        return
+    mine = torch.tensor([zlib.crc32(layout.encode())], dtype=torch.int64, device=like.device)
+    c10d = torch.ops._c10d_functional
+    sums = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, group.size, group.name)).tolist()
+    if len(set(sums)) > 1:
+        listing = ", ".join(f"rank {r}: {c:08x}" for r, c in enumerate(sums))
+        raise ShapeError(
+            f"functe.{who}: every rank of {group!r} must pass the same tree structure, shapes and dtypes; "
+            f"the layouts differ (checksums {listing}); this rank passes {layout[:300]}"
+        )
+
+
+def meet_before_raising(kind: str, x: Tensor, group: Group, who: str) -> None:
+    """Run the cross-rank check of collective ``kind`` on ``x`` (any outcome) before this rank raises
+    a local argument error, so that ranks whose arguments were fine, waiting in that collective's
+    check, raise with it instead of hanging; ranks failing alike pass the check and raise alike."""
+    if group.size == 1 or _skip_check(x):
+        return
+    try:
+        _check(kind, x, group, 0, "sum", who)
+    except Exception:  # (a mismatch, or a group that cannot communicate): the caller's own error says more
+        pass
 
 
 # ----------------------------------------------------------------------------- execution

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._collectives import collective, resolve_group
+from ._collectives import check_same_layout, collective, resolve_group
 from ._errors import DTypeError, describe
 from ._train import value_and_grad
 from ._tree import tree_flatten, tree_unflatten
@@ -51,6 +51,10 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
             )
     if g.size == 1:
         return tree
+    tensors = [leaf for leaf in leaves if leaf is not None]
+    if tensors:
+        layout = f"{spec} " + ", ".join(describe(leaf) for leaf in leaves)
+        check_same_layout(layout, tensors[0], g, "all_reduce_gradients")
     buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, leaf in enumerate(leaves):
         if leaf is not None:

@@ -38,8 +38,8 @@ import dataclasses
 
 import torch
 
-from ._collectives import SINGLE, Group, collective, resolve_group
-from ._errors import ShapeError, describe
+from ._collectives import SINGLE, Group, collective, meet_before_raising, resolve_group
+from ._errors import ArgumentError, ShapeError, describe
 from ._fp8_state import current_scale
 from ._quantize import cast
 from ._recipe import DelayedScaling, Recipe
@@ -110,11 +110,13 @@ def linear_parallelism(
     tensor-parallel group (FP8 only).
     """
     if mode not in MODES:
-        raise ValueError(f"functe.{op}: argument 'tensor_parallel_mode' expected None, 'column' or 'row', got {mode!r}")
+        raise ArgumentError(
+            f"functe.{op}: argument 'tensor_parallel_mode' expected None, 'column' or 'row', got {mode!r}"
+        )
     if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"functe.{op}: argument 'sequence_parallel' expected a bool, got {sequence_parallel!r}")
+        raise ArgumentError(f"functe.{op}: argument 'sequence_parallel' expected a bool, got {sequence_parallel!r}")
     if mode is None and (sequence_parallel or group is not None):
-        raise ValueError(
+        raise ArgumentError(
             f"functe.{op}: 'sequence_parallel' and 'group' apply to a tensor-parallel linear; "
             "set tensor_parallel_mode='column' or 'row'"
         )
@@ -122,20 +124,28 @@ def linear_parallelism(
     amax = resolve_group(op, amax_group, "amax_group") if amax_group is not None else tp
     if tp.size == 1:
         mode, sequence_parallel = None, False
-    if sequence_parallel:
-        if x.dim() < 2:
-            raise ShapeError(
-                f"functe.{op}: argument 'x' expected rank >= 2 with sequence parallelism (dim 0 is split "
-                f"across ranks), got {describe(x)}"
-            )
-        if mode == "row" and x.shape[0] % tp.size:
-            raise ShapeError(
-                f"functe.{op}: argument 'x' expected dim 0 divisible by the tensor-parallel size {tp.size} "
-                f"(the output is reduce-scattered along it), got {describe(x)}"
-            )
+    if sequence_parallel and (problem := _sequence_parallel_problem(op, x, mode, tp)):
+        # Ranks whose x is fine are already waiting in this linear's first collective: meet them there.
+        kind = "all_gather" if mode == "column" else "reduce_scatter"
+        meet_before_raising(kind, x, tp, f"{op}: {kind.replace('_', '-')} ({mode}+sp)")
+        raise problem
     if mode is None and (not fp8 or amax.size == 1):
         return None
     return LinearParallelism(mode, sequence_parallel, tp, amax if fp8 else SINGLE)
+
+
+def _sequence_parallel_problem(op: str, x: Tensor, mode: str, tp: Group) -> ShapeError | None:
+    if x.dim() < 2:
+        return ShapeError(
+            f"functe.{op}: argument 'x' expected rank >= 2 with sequence parallelism (dim 0 is split "
+            f"across ranks), got {describe(x)}"
+        )
+    if mode == "row" and x.shape[0] % tp.size:
+        return ShapeError(
+            f"functe.{op}: argument 'x' expected dim 0 divisible by the tensor-parallel size {tp.size} "
+            f"(the output is reduce-scattered along it), got {describe(x)}"
+        )
+    return None
 
 
 # ----------------------------------------------------------------------------- communication steps

@@ -464,7 +464,6 @@ def rank_raises(timeout: float) -> float:
 def mismatched_shapes() -> list[str]:
     """Shapes that differ across ranks give the same clear error on every rank (and no hang)."""
     r = rank()
-    messages = []
     w = seeded((4, 8), seed=800)
     column_sp = {"tensor_parallel_mode": "column", "sequence_parallel": True}
     cases = [
@@ -475,15 +474,50 @@ def mismatched_shapes() -> list[str]:
         lambda: ops.reduce_scatter(torch.ones(4, 3), dim=r),
         lambda: ops.all_gather(torch.ones(2, 3)) if r == 0 else ops.all_reduce(torch.ones(2, 3)),
     ]
+    return _errors_of(cases)
+
+
+def _errors_of(cases, error=functe.FuncteError) -> list[str]:
+    """``"Type: message"`` of the error each case raises (each must raise); the group still works after."""
+    messages = []
     for i, case in enumerate(cases):
         try:
             case()
-        except functe.FuncteError as e:
+        except error as e:
             messages.append(f"{type(e).__name__}: {e}")
         else:
-            raise AssertionError(f"case {i}: no error for mismatched shapes")
-    assert ops.all_reduce(torch.ones(1)).item() == world()  # the group still works
+            raise AssertionError(f"case {i}: rank {rank()} raised nothing")
+    assert ops.all_reduce(torch.ones(1)).item() == world()
     return messages
+
+
+def layouts_hidden_by_one_size() -> list[str]:
+    """Ranks whose trees (or deep shapes) differ but whose flat sizes agree raise, on every rank."""
+    r = rank()
+    cases = [
+        lambda: functe.all_reduce_gradients({"w": torch.ones(2, 3) if r == 0 else torch.ones(3, 2)}),
+        lambda: functe.all_reduce_gradients({"a": torch.ones(2 + r), "b": torch.ones(3 - r)}),
+        lambda: functe.all_reduce_gradients({"w": torch.ones(2)} if r == 0 else {"v": torch.ones(2)}),
+        lambda: ops.all_reduce(torch.ones(*[1] * 12, *((2, 3) if r == 0 else (3, 2)))),
+    ]
+    messages = _errors_of(cases, functe.ShapeError)
+    assert functe.all_reduce_gradients({"w": torch.ones(2)})["w"].tolist() == [1.0, 1.0]  # same layout: fine
+    return messages
+
+
+def sequence_parallel_error_on_one_rank() -> list[str]:
+    """Rank 1's x fails a local sequence-parallel check, rank 0's is fine: both raise, neither waits."""
+    r = rank()
+    w = seeded((4, 8), seed=801)
+    sp = {"sequence_parallel": True}
+    cases = [
+        lambda: ops.linear(torch.ones(4 - r, 2, 4), part(w, 1), tensor_parallel_mode="row", **sp),
+        lambda: ops.linear(torch.ones(3, 8) if r == 0 else torch.ones(8), w, tensor_parallel_mode="column", **sp),
+        lambda: ops.fp8_linear(
+            torch.ones(4 - r, 4), part(w, 1), None, None, recipe=RECIPES["current"], tensor_parallel_mode="row", **sp
+        ),
+    ]
+    return _errors_of(cases)
 
 
 # ----------------------------------------------------------------------------- fusion, compile, data parallel

@@ -43,6 +43,22 @@ def test_tree_dict_keys_and_errors():
         functe.tree_from_dict(state, {**flat, "fc1.weight.amax_history": torch.zeros(3)})
     with pytest.raises(functe.StateError, match=r"unexpected \['extra'\]"):
         functe.tree_from_dict(state, {**flat, "extra": torch.zeros(1)})
+    with pytest.raises(functe.StateError, match=r"'fc1.input.scale' expected f32\[\], got float"):
+        functe.tree_from_dict(state, {**flat, "fc1.input.scale": 1.0})
+    with pytest.raises(functe.StateError, match=r"template leaf 'step' is int, not a tensor"):
+        functe.tree_from_dict({"step": 3}, {"step": torch.zeros(())})
+
+
+@pytest.mark.parametrize("tree", [{"a.b": 0, "a": {"b": 1}}, {1: 0, "1": 1}], ids=["dotted", "int-and-str"])
+def test_two_paths_with_one_key_are_refused(tree, tmp_path):
+    # A flat dict keeps one of them: the other leaf was silently lost, and loading wrote it back twice.
+    tree = functe.tree_map(lambda i: torch.full((2,), float(i)), tree)
+    with pytest.raises(functe.StateError, match=r"both flatten to the key '(a\.b|1)'"):
+        functe.tree_to_dict(tree)
+    with pytest.raises(functe.StateError, match=r"both flatten to the key"):
+        functe.save_tree(tmp_path / "t.pt", tree)
+    with pytest.raises(functe.StateError, match=r"both flatten to the key"):
+        functe.tree_from_dict(tree, {"a.b": torch.zeros(2), "1": torch.zeros(2)})
 
 
 @pytest.mark.parametrize("recipe", [functe.CurrentScaling(), functe.MXFP8BlockScaling()], ids=["current", "mxfp8"])

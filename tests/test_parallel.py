@@ -267,6 +267,28 @@ def test_mismatched_shapes_raise_the_same_error_on_every_rank(pool):
 
 
 @pytest.mark.distributed
+def test_layouts_that_one_flat_size_hides_are_refused(pool):
+    # The same total size summed unrelated elements silently (a transposed leaf, swapped sizes,
+    # another key), and shapes differing only after the 12th dim passed the signature check.
+    for messages in pool.run(checks.layouts_hidden_by_one_size):
+        for m in messages[:3]:
+            assert m.startswith("ShapeError: functe.all_reduce_gradients: every rank of Group('0', size=2) must pass")
+            assert "the same tree structure, shapes and dtypes" in m
+        assert "f32[1,1,1,1,1,1,1,1,1,1,1,1,...(checksum" in messages[3]
+
+
+@pytest.mark.distributed
+def test_a_local_sequence_parallel_error_on_one_rank_raises_on_every_rank(pool):
+    # Rank 1 failed its check at once while rank 0 waited in the collective until the group timed out.
+    ok, failing = pool.run(checks.sequence_parallel_error_on_one_rank, timeout=60)
+    assert failing[0].startswith("ShapeError: functe.linear: argument 'x' expected dim 0 divisible by the")
+    assert failing[1].startswith("ShapeError: functe.linear: argument 'x' expected rank >= 2 with sequence")
+    assert failing[2].startswith("ShapeError: functe.fp8_linear: argument 'x' expected dim 0 divisible by")
+    assert all(m.startswith(("ShapeError: functe.", "DistributedError: functe.")) for m in ok), ok
+    assert "reduce_scatter(f32[4,2,4], dim=0, sum), rank 1 calls reduce_scatter(f32[3,2,4]" in ok[0]
+
+
+@pytest.mark.distributed
 def test_a_rank_that_raises_does_not_hang_the_others(pool):
     timeout = 2.0
     (ok0, err0), (ok1, err1) = pool.run_raw(checks.rank_raises, timeout, timeout=60)
