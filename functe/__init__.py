@@ -20,11 +20,13 @@ from ._collectives import collective_checks as collective_checks
 from ._collectives import set_collective_checks as set_collective_checks
 from ._data_parallel import all_reduce_gradients as all_reduce_gradients
 from ._data_parallel import data_parallel_value_and_grad as data_parallel_value_and_grad
+from ._errors import ArgumentError as ArgumentError
 from ._errors import DeviceError as DeviceError
 from ._errors import DistributedError as DistributedError
 from ._errors import DTypeError as DTypeError
 from ._errors import FuncteError as FuncteError
 from ._errors import RecipeError as RecipeError
+from ._errors import RuleError as RuleError
 from ._errors import ShapeError as ShapeError
 from ._errors import StateError as StateError
 from ._errors import TraceError as TraceError

@@ -120,12 +120,29 @@ def check_same_dtype(op: str, arg: str, value: torch.Tensor, like: torch.Tensor,
         raise dtype_error(op, arg, f"dtype {dtype_name(like.dtype)} to match '{like_arg}' {describe(like)}", value)
 
 
+def check_flag(op: str, arg: str, value: Any) -> bool:
+    """``value`` if it is a bool, else an :class:`ArgumentError` (``bool("no")`` would be True)."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{_where(op, arg)} expected a bool, got {value!r}")
+    return value
+
+
 def check_same_device(op: str, tensors: dict[str, Any]) -> None:
     """Require every tensor in ``tensors`` (name -> value) to be on one device."""
     devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"'{n}' on {d}" for n, d in devices.items())
         raise DeviceError(f"functe.{op}: arguments must share one device, got {listing}")
+
+
+class ArgumentError(FuncteError, ValueError, TypeError):
+    """An argument of the wrong kind or value (a name, a flag, a number out of range); its shape,
+    dtype and device have the errors above. (Both a ValueError and a TypeError, as Python's own.)"""
+
+
+class RuleError(FuncteError, ValueError, TypeError):
+    """An op's forward or backward rule, or a fusion rule, broke its contract (what it returns, or
+    how it is declared)."""
 
 
 class RecipeError(FuncteError, ValueError):

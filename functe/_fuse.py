@@ -36,11 +36,11 @@ from typing import Any
 import torch
 
 from . import _trace
-from ._errors import TraceError, describe
+from ._errors import RuleError, TraceError, describe, describe_shape
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._trace import trace_call, vjp_call
 from ._tree import tree_flatten, tree_leaves, tree_unflatten
-from ._vjp import _guard, custom_vjp
+from ._vjp import _guard, custom_vjp, higher_order_anchor
 
 Tensor = torch.Tensor
 
@@ -369,12 +369,19 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
     Same semantics as the custom_vjp op (``Plan.op``) with a fraction of its
     per-call cost: an old-style Function binds no signature and the layout of
     the residuals is known. Intermediate residuals make differentiating the
-    backward raise, through the same guard as custom_vjp.
+    backward raise, through the same guard as custom_vjp (hung on an empty
+    extra output, the anchor, which callers never see).
     """
 
     single = out_tree == LEAF
+    n_out = out_tree.num_leaves
+    # The gradients' shapes and dtypes depend on the signature only: checked on the first backward
+    # (autograd itself would silently sum a [1,N] gradient to [N], or cast it).
+    unchecked = [True]
 
     def fwd(ctx, *tensors):
+        if unchecked[0]:
+            ctx.in_meta = [(t.shape, t.dtype) for t in tensors]
         out, res = forward(*tensors)
         out_leaves = [out] if single else tree_leaves(out)
         res_leaves, res_tree = tree_flatten(res)
@@ -383,19 +390,25 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
         known = {id(t) for t in tensors}
         known.update(id(o) for o in out_leaves)
         n_new = sum(id(r) not in known for r in saved)  # intermediates: differentiating through them is refused
-        ctx.save_for_backward(*saved)
+        anchor = [higher_order_anchor(saved[0])] if n_new else []
+        ctx.save_for_backward(*saved, *anchor)
         ctx.residual_layout = (res_tree, layout, n_new)
-        return tuple(out_leaves)
+        return (*out_leaves, *anchor)
 
     def bwd(ctx, *grads):
         res_tree, layout, n_new = ctx.residual_layout
         saved = iter(ctx.saved_tensors)
         res = tree_unflatten(res_tree, [next(saved) if leaf is _SAVED else leaf for leaf in layout])
-        cts = grads[0] if single else tree_unflatten(out_tree, list(grads))
+        cts = grads[0] if single else tree_unflatten(out_tree, list(grads[:n_out]))
         if not torch.is_grad_enabled():
-            return backward(res, cts)
-        grads_in = list(backward_op(res, cts))
-        return tuple(_guard(name, grads_in)) if n_new else tuple(grads_in)
+            grads_in = backward(res, cts)
+        else:
+            grads_in = list(backward_op(res, cts))
+            grads_in = tuple(_guard(name, grads_in, next(saved))) if n_new else tuple(grads_in)
+        if unchecked[0]:
+            _check_gradients(name, grads_in, ctx.in_meta)
+            unchecked[0] = False
+        return grads_in
 
     function = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
@@ -416,9 +429,18 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
         return lambda *tensors: apply(*tensors)[0]
 
     def call(*tensors):
-        return tree_unflatten(out_tree, list(apply(*tensors)))
+        return tree_unflatten(out_tree, list(apply(*tensors)[:n_out]))
 
     return call
+
+
+def _check_gradients(name: str, grads, in_meta: list) -> None:
+    for i, (g, (shape, dtype)) in enumerate(zip(grads, in_meta)):
+        if g is not None and not (isinstance(g, Tensor) and g.shape == shape and g.dtype == dtype):
+            raise RuleError(
+                f"functe.{name}: the backward plan returned {describe(g)} as the gradient of input {i}, expected "
+                f"{describe_shape(dtype, shape)} (a backward rule's gradient is wrong: functe.rules.check tests a rule)"
+            )
 
 
 def _backward_fwd(backward: Callable) -> Callable:
@@ -483,6 +505,9 @@ class Fused:
             if isinstance(x, Tensor):
                 tensors.append(x)
                 key.append((x.shape, x.dtype, x.device))
+            elif type(x) is float:
+                # by bits: -0.0 == 0.0 would reuse a plan with the other sign, and nan != nan retrace forever
+                key.append((float, x.hex()))
             else:
                 key.append((type(x), x))
         key = tuple(key)
@@ -593,6 +618,8 @@ def _constant_key(tree: Any, tensors: list) -> Any:
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         names = tuple(f.name for f in dataclasses.fields(tree))
         return ("dc", type(tree), names, tuple(_constant_key(getattr(tree, n), tensors) for n in names))
+    if type(tree) is float:
+        return ("S", tree, tree.hex())  # (-0.0 is not 0.0 here: see Fused._lookup)
     return ("S", tree)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import dtype_error, shape_error
+from ._errors import ArgumentError, DeviceError, dtype_error, shape_error
 
 Tensor = torch.Tensor
 
@@ -24,13 +24,15 @@ def seed_tensor(seed, like: Tensor, op: str) -> Tensor:
         tensor(7)
     """
     if isinstance(seed, bool) or not isinstance(seed, (int, Tensor)):
-        raise TypeError(f"functe.{op}: argument 'seed' expected a Python int or an int64 tensor, got {seed!r}")
+        raise ArgumentError(f"functe.{op}: argument 'seed' expected a Python int or an int64 tensor, got {seed!r}")
     if isinstance(seed, int):
         if not -(2**63) <= seed < 2**63:
-            raise ValueError(f"functe.{op}: argument 'seed' expected a 64-bit signed integer, got {seed}")
+            raise ArgumentError(f"functe.{op}: argument 'seed' expected a 64-bit signed integer, got {seed}")
         return torch.tensor(seed, dtype=torch.int64, device=like.device)
     if seed.dtype != torch.int64:
         raise dtype_error(op, "seed", "an i64[] tensor", seed)
     if seed.dim() != 0:
         raise shape_error(op, "seed", "an i64[] tensor (one seed; vmap gives each member its own)", seed)
+    if seed.device.type == "meta" and like.device.type != "meta":
+        raise DeviceError(f"functe.{op}: argument 'seed' is on the meta device (no value), x on {like.device}")
     return seed if seed.device == like.device else seed.to(like.device)

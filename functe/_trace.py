@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +37,7 @@ import torch
 
 from . import _vjp
 from ._backend import use_backend
-from ._errors import FuncteError, TraceError, describe
+from ._errors import FuncteError, RuleError, TraceError, describe
 from ._oplist import Eqn, Literal, OpList, Var
 from ._tree import tree_flatten, tree_unflatten
 from ._vjp import CustomVJP, custom_vjp
@@ -98,7 +99,15 @@ class Tracer(Tensor):
         rule = _TRANSLATIONS.get(func) if _active is not None else None
         if rule is None:
             raise _unsupported(func, args)
-        return rule(*args, **kwargs)
+        try:
+            return rule(*args, **kwargs)
+        except FuncteError as e:
+            if isinstance(e, TypeError):
+                # (torch's operator methods turn a TypeError into NotImplemented: the message would be lost)
+                raise TraceError(f"functe.trace: {_func_name(func)}: {e}") from e
+            raise
+        except (TypeError, ValueError) as e:  # arguments the translation does not take (torch's own kwargs...)
+            raise _unsupported(func, args, kwargs, f" ({e})") from e
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -136,15 +145,15 @@ def _func_name(func) -> str:
     return name.removeprefix("torch.") if name.startswith("torch.Tensor.") else name
 
 
-def _unsupported(func, args) -> TraceError:
+def _unsupported(func, args, kwargs=None, why: str = "") -> TraceError:
     if any(isinstance(a, Tracer) and _active is None for a in args):
         return TraceError(
             f"functe.trace: a traced value escaped its trace and reached {_func_name(func)} "
             "(do not store tracers outside the traced function)"
         )
-    described = ", ".join(describe(a) for a in args)
+    described = ", ".join([*(describe(a) for a in args), *(f"{k}={describe(v)}" for k, v in (kwargs or {}).items())])
     return TraceError(
-        f"functe.trace: {_func_name(func)}({described}) on a traced value cannot be recorded in an op list. "
+        f"functe.trace: {_func_name(func)}({described}) on a traced value cannot be recorded in an op list{why}. "
         "Use a functe op (functe.ops), plain arithmetic that maps to one (x + y, 2.0 * x, x.reshape(...)), "
         "or mark the function opaque: functe.opaque(fn) runs it as-is and differentiates it with torch.func"
     )
@@ -182,13 +191,31 @@ def _atom(op_name: str, leaf: Any, trace: _Trace):
             raise TraceError(f"functe.{op_name}: received a traced value from another (finished or outer) trace")
         return leaf._var
     if isinstance(leaf, Tensor):
-        if leaf.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+        constant = _untracked_constant(leaf)
+        if constant is None:
             raise TraceError(
                 f"functe.{op_name}: a tensor {describe(leaf)} captured from the enclosing scope requires "
                 "gradients (or is being transformed); pass it to the traced function as an argument, "
                 "otherwise its gradient would be silently lost"
             )
+        return Literal(constant)
     return Literal(leaf)
+
+
+def _untracked_constant(t: Tensor) -> Tensor | None:
+    """``t`` as a plain tensor when no gradient or transform can see it, else ``None``.
+
+    A tensor made inside the traced function under ``torch.func.grad`` (a factory call, an int seed
+    turned into a tensor) is a grad-tracking wrapper that requires no gradient: a constant, kept
+    unwrapped (the cached plan outlives the transform, and a dead wrapper would fail later). A
+    batched (vmap) or gradient-requiring tensor is not a constant.
+    """
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(t):
+        if not f.is_gradtrackingtensor(t) or t.requires_grad:
+            return None
+        t = f.get_unwrapped(t)
+    return None if t.requires_grad else t
 
 
 def _meta(atom) -> Any:
@@ -217,7 +244,7 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
             f"shape-only (meta) tensors; is it data-dependent? ({type(e).__name__}: {e})"
         ) from e
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise TypeError(f"functe.{op.name}: the forward rule must return (out, residuals), got {describe(result)}")
+        raise RuleError(f"functe.{op.name}: the forward rule must return (out, residuals), got {describe(result)}")
     return result
 
 
@@ -441,11 +468,12 @@ def _mul(a, b):
 def _div(a, b):
     if not _is_number(b):
         raise TraceError(f"functe.trace: {describe(a)} / {describe(b)}: only division by a Python number is recorded")
-    return _scale(a, 1.0 / b)
+    # x / ±0 is x · ±inf elementwise (±inf, or NaN for x = 0), as torch computes it
+    return _scale(a, 1.0 / b if b else math.copysign(math.inf, b))
 
 
-def _sub(a, b):
-    return _add(a, _scale(b, -1.0))
+def _sub(a, b, *, alpha=1):
+    return _add(a, _scale(b, -float(alpha)))
 
 
 def _rsub(a, b):
@@ -462,8 +490,8 @@ def _torch_reshape(x, shape):
     return _ops().reshape(x, shape)
 
 
-def _linear(x, weight, bias=None):
-    return _ops().linear(x, weight, bias)
+def _linear(input, weight, bias=None):  # (torch's parameter names: F.linear(input=x, weight=w) is valid)
+    return _ops().linear(input, weight, bias)
 
 
 def _same(x, *args, **kwargs):
@@ -471,8 +499,14 @@ def _same(x, *args, **kwargs):
 
 
 def _to(x, *args, **kwargs):
-    # Only no-op conversions are recorded: a dtype or device change has no op.
-    target = [a for a in (*args, *kwargs.values()) if isinstance(a, (torch.dtype, torch.device, str))]
+    # Only no-op conversions are recorded: a dtype or device change has no op. (x.to(other) takes
+    # other's dtype and device.)
+    target = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            target += [a.dtype, a.device]
+        elif isinstance(a, (torch.dtype, torch.device, str)):
+            target.append(a)
     if all(t in (x.dtype, x.device, str(x.device)) for t in target) and not kwargs.get("copy", False):
         return x
     raise _unsupported(Tensor.to, (x, *args))

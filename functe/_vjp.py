@@ -24,7 +24,10 @@ style (``forward`` without ctx, plus ``setup_context``), which is the only style
   dependence on the inputs is invisible to autograd, so when a backward pass
   with such residuals is itself being differentiated, the cotangents pass
   through a guard that raises :class:`~functe.TransformError` naming the op:
-  never silent zeros.
+  never silent zeros. The guard hangs on an *anchor*, an empty differentiable
+  output of the op saved for backward, so it is on the graph even when nothing
+  else in the backward pass is (the cotangent of a plain ``.sum()`` is a
+  constant, and the intermediates are not differentiable).
 * **Kernels launch only in forward.** Backward rules call ops and kernels
   (:class:`functe._kernel.Kernel`), which are Functions themselves, so
   ``torch.func.grad`` (whose backward sees wrapped tensors) works.
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from ._errors import TransformError, describe
+from ._errors import ArgumentError, RuleError, TransformError, describe
 from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 
 Tensor = torch.Tensor
@@ -96,7 +99,7 @@ def _index_of(value: Tensor, candidates) -> int:
 def _split_result(name: str, result) -> tuple[Any, Any]:
     """The forward rule's ``(out, residuals)``, or a clear error."""
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise TypeError(f"functe.{name}: the forward rule must return (out, residuals), got {describe(result)}")
+        raise RuleError(f"functe.{name}: the forward rule must return (out, residuals), got {describe(result)}")
     return result
 
 
@@ -114,7 +117,7 @@ def _output_leaves(name: str, out, leaves) -> tuple[list, PyTreeSpec]:
         out_leaves, out_tree = tree_flatten(out)
         for leaf in out_leaves:
             if leaf is not None and not isinstance(leaf, Tensor):
-                raise TypeError(f"functe.{name}: forward outputs must be tensors or None, got {describe(leaf)}")
+                raise RuleError(f"functe.{name}: forward outputs must be tensors or None, got {describe(leaf)}")
     out_leaves = [o.view_as(o) if isinstance(o, Tensor) and _index_of(o, leaves) >= 0 else o for o in out_leaves]
     return out_leaves, out_tree
 
@@ -139,8 +142,17 @@ def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, l
         else:
             plan.append((_NEW, len(new)))
             new.append(r)
+    if new:
+        new.append(higher_order_anchor(new[0]))
     layout = _Layout(out_tree, len(out_leaves), res_tree, tuple(plan), len(new))
     return out_leaves, new, layout
+
+
+def higher_order_anchor(like: Tensor) -> Tensor:
+    """An empty float tensor on ``like``'s device: returned as a differentiable output of an op whose
+    residuals include intermediates and saved for its backward, where :func:`_guard` hangs on it
+    (last among the new residual outputs; see the module docstring)."""
+    return torch.empty(0, device=like.device)
 
 
 class CustomVJP:
@@ -176,7 +188,7 @@ class CustomVJP:
         batching: str | None = "forward",
     ):
         if batching not in ("forward", None):
-            raise ValueError(f"custom_vjp {name}: batching must be 'forward' or None, got {batching!r}")
+            raise RuleError(f"custom_vjp {name}: batching must be 'forward' or None, got {batching!r}")
         self.name = name
         self.fwd = fwd
         self.bwd = bwd
@@ -189,6 +201,13 @@ class CustomVJP:
         self._eager_apply = _C_APPLY.__get__(None, self.function)
 
     def __call__(self, *args, **static):
+        for key, value in static.items():
+            if isinstance(value, Tensor):
+                # (a static value is closed over by the rules: its gradient would be silently lost)
+                raise ArgumentError(
+                    f"functe.{self.name}: keyword argument '{key}' is static (not differentiated), got "
+                    f"{describe(value)}; pass tensors positionally"
+                )
         if _recorder is not None:
             traced = _recorder(self, args, static)
             if traced is not NotImplemented:
@@ -296,10 +315,11 @@ def _call_mode(leaves) -> str:
 
 
 class _HigherOrderGuard(torch.autograd.Function):
-    """Identity whose backward raises: marks cotangents that are not differentiable further."""
+    """Identity on ``tensors`` whose backward raises: marks cotangents that are not differentiable
+    further. Its outputs are on the graph whenever the ``anchor`` is (see the module docstring)."""
 
     @staticmethod
-    def forward(name, *tensors):
+    def forward(name, anchor, *tensors):
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
@@ -316,15 +336,16 @@ class _HigherOrderGuard(torch.autograd.Function):
         )
 
     @staticmethod
-    def vmap(info, in_dims, name, *tensors):
-        return tuple(t.view_as(t) for t in tensors), tuple(in_dims[1:])
+    def vmap(info, in_dims, name, anchor, *tensors):
+        return tuple(t.view_as(t) for t in tensors), tuple(in_dims[2:])
 
 
-def _guard(name: str, flat: list) -> list:
+def _guard(name: str, flat: list, anchor: Tensor) -> list:
+    """``flat`` (the gradients a backward rule returned) through :class:`_HigherOrderGuard`."""
     positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor)]
     if not positions:
         return flat
-    guarded = _HigherOrderGuard.apply(name, *(flat[i] for i in positions))
+    guarded = _HigherOrderGuard.apply(name, anchor, *(flat[i] for i in positions))
     flat = list(flat)
     for i, t in zip(positions, guarded):
         flat[i] = t
@@ -334,7 +355,7 @@ def _guard(name: str, flat: list) -> list:
 def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list:
     arg_trees = call.in_tree.children()
     if not isinstance(cts, tuple) or len(cts) != len(arg_trees):
-        raise TypeError(
+        raise RuleError(
             f"functe.{name}: the backward rule must return a tuple of {len(arg_trees)} cotangents "
             f"(one per positional argument), got {describe(cts)}"
             + (f" of length {len(cts)}" if isinstance(cts, tuple) else "")
@@ -346,7 +367,7 @@ def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list
             continue
         ct_leaves, ct_tree = tree_flatten(ct)
         if ct_tree != tree:
-            raise TypeError(
+            raise RuleError(
                 f"functe.{name}: cotangent {index} from the backward rule has structure {ct_tree}, "
                 f"expected the argument's structure {tree}"
             )
@@ -356,7 +377,7 @@ def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list
             continue
         if meta is None or not isinstance(ct, Tensor) or ct.shape != meta[0] or ct.dtype != meta[1]:
             expected = "None" if meta is None else describe(torch.empty(meta[0], dtype=meta[1], device="meta"))
-            raise TypeError(
+            raise RuleError(
                 f"functe.{name}: the backward rule returned {describe(ct)} for input leaf {index}, expected {expected}"
             )
     return flat
@@ -384,11 +405,13 @@ def _make_function(
         outs = output[: layout.n_out]
         new = output[layout.n_out : layout.n_out + layout.n_new]
         sources = {_IN: leaves, _OUT: outs, _NEW: new}
-        ctx.save_for_backward(*(sources[kind][i] for kind, i in layout.plan if kind != _CONST))
+        # (the higher-order anchor, last of ``new``, is saved after the residuals and stays differentiable)
+        ctx.save_for_backward(*(sources[kind][i] for kind, i in layout.plan if kind != _CONST), *new[-1:])
         if forward_mode:
             ctx.save_for_forward(*(t for t in leaves if isinstance(t, Tensor)))
         if new:
-            ctx.mark_non_differentiable(*new)
+            ctx.mark_non_differentiable(*new[:-1])
+            ctx.anchor_device = new[-1].device
         ctx.set_materialize_grads(False)
         ctx.call = call
         ctx.layout = layout
@@ -415,7 +438,7 @@ def _make_function(
         cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **call.static)
         flat = _flatten_cotangents(name, call, cts, ctx.in_meta)
         if layout.n_new and torch.is_grad_enabled():
-            flat = _guard(name, flat)
+            flat = _guard(name, flat, next(saved))
         return (None, *flat)
 
     def jvp(ctx, *tangents):
@@ -440,7 +463,10 @@ def _make_function(
         _, out_tangents = torch.func.jvp(out_only, tuple(primals[k] for k in diff), tans)
         it = iter(out_tangents)
         result = [None if meta is None else next(it) for meta in ctx.out_meta]
-        return (*result, *([None] * layout.n_new), None)
+        if not layout.n_new:
+            return (*result, None)
+        # (the anchor is differentiable, and torch's forward AD asserts on a None tangent for it)
+        return (*result, *([None] * (layout.n_new - 1)), torch.zeros(0, device=ctx.anchor_device), None)
 
     def vmap(info, in_dims, call, *leaves):
         if batching is None:

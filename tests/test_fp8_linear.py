@@ -230,6 +230,17 @@ def test_second_order_raises():
         torch.func.grad(lambda x: g(x).sum())(make((4, 16)))
 
 
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=2), functe.CurrentScaling()], ids=str)
+def test_second_order_raises_with_a_plain_sum_loss(recipe):
+    # d/dw of the x-gradient: with .sum() the cotangent is a constant and the quantized w an
+    # intermediate; this returned zeros before the guard hung on its anchor.
+    state = functe.init_linear_scaling_state(recipe)
+    x = make((4, 16))
+    dx = lambda w: torch.func.grad(lambda x: ops.fp8_linear(x, w, None, state, recipe=recipe).sum())(x)
+    with pytest.raises(functe.TransformError, match=r"functe\.fp8_linear: second-order derivatives"):
+        torch.func.grad(lambda w: dx(w).sum())(make((8, 16)))
+
+
 def test_compiled_loss_with_autograd_outside_matches_eager():
     torch._dynamo.reset()
     recipe = DelayedScaling(amax_history_len=4)

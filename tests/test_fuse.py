@@ -179,6 +179,19 @@ def test_second_order_through_intermediate_residuals_raises():
         g.sum().backward()
 
 
+def test_second_order_refused_with_a_plain_sum_loss():
+    # The cotangent of .sum() is a constant: the guard must still be on the graph (it returned zeros).
+    fused = functe.fuse(_block)
+    args = _block_args()
+    msg = r"functe\.fused__block: second-order derivatives are not supported"
+    with pytest.raises(functe.TransformError, match=msg):
+        torch.func.grad(lambda *a: torch.func.grad(lambda *b: fused(*b, scale=0.5).sum())(*a).sum())(*args)
+    xs = [a.clone().requires_grad_() for a in args]
+    (g,) = torch.autograd.grad(fused(*xs, scale=0.5).sum(), xs[:1], create_graph=True)
+    with pytest.raises(functe.TransformError, match=msg.replace("fused__block", "fused__block_eager")):
+        torch.autograd.grad(g.sum(), xs[1])
+
+
 def test_second_order_is_exact_when_residuals_are_inputs(backend):
     fused = functe.fuse(_linear_scale)
     args = [make((3, 4), F64), make((5, 4), F64), make((5,), F64)]

@@ -114,6 +114,26 @@ def test_captured_tensor_requiring_grad_is_refused():
         functe.trace(lambda x: ops.linear(x, w))(torch.zeros(2, 3))
 
 
+def test_constants_made_under_torch_func_grad_are_literals():
+    # First traced under torch.func.grad: the int seed becomes a tensor inside the transform, a
+    # grad-tracking wrapper of a constant. It was refused as a "captured tensor requiring gradients";
+    # it must be kept unwrapped (the cached plan is reused outside the transform).
+    total = functe.opaque(torch.sum)
+
+    def f(x, seed):
+        return total(ops.bias(ops.dropout(x, 0.5, seed=seed), torch.ones(8)))
+
+    x = make((4, 8))
+    fused = functe.fuse(f)
+    assert_close(torch.func.grad(fused)(x, 7), torch.func.grad(f)(x, 7))
+    assert fused(x, 7) == f(x, 7) and fused.trace_count == 1
+    w = make((3, 8))
+    with pytest.raises(functe.TraceError, match=r"captured from the enclosing scope requires gradients"):
+        torch.func.grad(lambda w: functe.fuse(lambda x: ops.linear(x, w).sum())(x))(w)
+    with pytest.raises(functe.TraceError, match=r"captured from the enclosing scope"):
+        torch.func.vmap(lambda w: functe.fuse(lambda x: ops.linear(x, w))(x))(make((2, 3, 8)))
+
+
 def test_escaped_tracer_is_refused():
     kept = []
     functe.trace(lambda x: kept.append(x) or x)(torch.zeros(2))

@@ -105,6 +105,23 @@ def test_intermediate_residuals_first_order_exact_second_order_refused():
     assert torch.autograd.gradcheck(xmean, (xr,))
 
 
+def test_second_order_refused_when_the_cotangent_is_a_constant():
+    # A plain .sum() loss gives a constant cotangent and the intermediate m is not differentiable:
+    # nothing in the first backward pass is on the graph but the guard's anchor (without it,
+    # grad(grad) returned zeros and create_graph a gradient that did not require grad).
+    x = torch.randn(5, dtype=F64)
+    msg = r"functe\.xmean: second-order derivatives are not supported"
+    with pytest.raises(functe.TransformError, match=msg):
+        grad(lambda x: grad(lambda x: xmean(x).sum())(x).sum())(x)
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(xmean(xr).sum(), xr, create_graph=True)
+    assert g.requires_grad
+    with pytest.raises(functe.TransformError, match=msg):
+        g.sum().backward()
+    # first order is untouched, and so is an op whose residuals are only inputs and outputs
+    assert_close(grad(lambda x: xmean(x).sum())(x), grad(lambda x: (x * x.mean()).sum())(x))
+
+
 def test_jvp_and_jacfwd_follow_the_forward_rule():
     x = torch.randn(4, dtype=F64)
     t = torch.randn(4, dtype=F64)

@@ -12,7 +12,16 @@ import math
 
 import torch
 
-from .._errors import ShapeError, check_same_device, check_tensor, describe, describe_shape, dtype_error, shape_error
+from .._errors import (
+    ArgumentError,
+    ShapeError,
+    check_same_device,
+    check_tensor,
+    describe,
+    describe_shape,
+    dtype_error,
+    shape_error,
+)
 from .._vjp import custom_vjp
 from ..kernels.activation import (
     ACTIVATION,
@@ -52,9 +61,9 @@ _activation = custom_vjp("activation", _fwd, _bwd)
 
 def _number(op: str, arg: str, value, *, minimum: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"functe.{op}: argument '{arg}' expected a finite Python number, got {value!r}")
+        raise ArgumentError(f"functe.{op}: argument '{arg}' expected a finite Python number, got {value!r}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"functe.{op}: argument '{arg}' expected a number >= {minimum}, got {value!r}")
+        raise ArgumentError(f"functe.{op}: argument '{arg}' expected a number >= {minimum}, got {value!r}")
     return float(value)
 
 
@@ -65,14 +74,18 @@ def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: d
     if gated and (x.dim() == 0 or x.shape[-1] < 2 or x.shape[-1] % 2):
         expected = describe_shape(x.dtype, (Ellipsis, "2H"))
         raise shape_error(op, "x", expected, x, "a gated activation needs an even last dimension 2H >= 2 (two halves)")
+    if s is None and op.startswith("scaled_"):
+        raise ArgumentError(f"functe.{op}: argument 's' (one scale per row of x) is required, got None")
     k = 0
     if interleave is not None:
         if not gated:
-            raise ValueError(
+            raise ArgumentError(
                 f"functe.{op}: argument 'interleave' applies to gated activations only, got {interleave!r}"
             )
         if isinstance(interleave, bool) or not isinstance(interleave, int) or interleave < 1:
-            raise TypeError(f"functe.{op}: argument 'interleave' expected a positive int or None, got {interleave!r}")
+            raise ArgumentError(
+                f"functe.{op}: argument 'interleave' expected a positive int or None, got {interleave!r}"
+            )
         h = x.shape[-1] // 2
         if h % interleave:
             raise ShapeError(
@@ -126,18 +139,18 @@ def activation(
         >>> ops.activation(torch.tensor([[1.0, -2.0]]), "scaled_srelu", torch.tensor([3.0])).tolist()
         [[3.0, 0.0]]
     """
-    base = _SCALED_ALIASES.get(name, name)
+    base = _SCALED_ALIASES.get(name, name) if isinstance(name, str) else None
     if base not in NAMES:
         names = ", ".join(ACTIVATION_NAMES)
-        raise ValueError(f"functe.activation: argument 'name' expected one of {names}, got {name!r}")
+        raise ArgumentError(f"functe.activation: argument 'name' expected one of {names}, got {name!r}")
     if name in _SCALED_ALIASES and s is None:
-        raise TypeError(f"functe.activation: '{name}' needs the row scale 's'")
+        raise ArgumentError(f"functe.activation: '{name}' needs the row scale 's'")
     given = {"limit": limit, "alpha": alpha, "glu_linear_offset": glu_linear_offset}
     clamp = None
     if base == "clamped_swiglu":
         clamp = {k: _CLAMPED_DEFAULTS[k] if v is None else v for k, v in given.items()}
     elif unused := [k for k, v in given.items() if v is not None]:
-        raise ValueError(f"functe.activation: '{name}' takes no parameter {', '.join(map(repr, unused))}")
+        raise ArgumentError(f"functe.activation: '{name}' takes no parameter {', '.join(map(repr, unused))}")
     return _apply(name, x, s, base, interleave, clamp)
 
 

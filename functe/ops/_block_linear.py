@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .._block_quantize import SR_DGRAD_STREAM, BlockRecipe, cast_block, operand_dtype, wgrad_operand
+from .._errors import ArgumentError
 from .._fp8_gemm import gemm_nt
 from .._recipe import NVFP4BlockScaling
 from .._seed import seed_tensor
@@ -88,7 +89,7 @@ def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, recipe: Bloc
     """The block-scaled quantized linear (arguments already validated by ``fp8_linear``, except the seed)."""
     if isinstance(recipe, NVFP4BlockScaling) and recipe.uses_seed:
         if seed is None:
-            raise TypeError(
+            raise ArgumentError(
                 "functe.fp8_linear: argument 'seed' expected a Python int or an int64 tensor: NVFP4BlockScaling draws "
                 "random bits (random Hadamard transform, stochastic rounding); pass a new seed each step, or disable "
                 "both in the recipe"

@@ -15,6 +15,7 @@ import torch
 
 from .._errors import (
     FLOAT_DTYPES,
+    ArgumentError,
     ShapeError,
     check_same_device,
     check_same_dtype,
@@ -263,7 +264,9 @@ def constant_scale(x: Tensor, scale: float) -> Tensor:
     """
     check_tensor("constant_scale", "x", x)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"functe.constant_scale: argument 'scale' expected a Python number, got {type(scale).__name__}")
+        raise ArgumentError(
+            f"functe.constant_scale: argument 'scale' expected a Python number, got {type(scale).__name__}"
+        )
     return _constant_scale(x, scale=float(scale))
 
 
@@ -312,7 +315,12 @@ def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
         torch.Size([3, 4])
     """
     check_tensor("reshape", "x", x)
-    shape = tuple(int(d) for d in shape)
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)  # as torch's x.reshape(12)
+    dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+    if dims is None or any(isinstance(d, bool) or not isinstance(d, int) or d < -1 for d in dims):
+        raise ArgumentError(f"functe.reshape: argument 'shape' expected a tuple of ints >= -1, got {shape!r}")
+    shape = tuple(int(d) for d in dims)
     known = math.prod([d for d in shape if d != -1])
     inferred = shape.count(-1)
     fits = (inferred == 0 and known == x.numel()) or (inferred == 1 and known != 0 and x.numel() % known == 0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import check_tensor
+from .._errors import ArgumentError, check_tensor
 from .._seed import seed_tensor
 from .._vjp import custom_vjp
 from ..kernels.dropout import DROPOUT
@@ -61,7 +61,7 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
     """
     check_tensor("dropout", "x", x)
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"functe.dropout: argument 'p' expected a Python number in [0, 1), got {p!r}")
+        raise ArgumentError(f"functe.dropout: argument 'p' expected a Python number in [0, 1), got {p!r}")
     seed = seed_tensor(seed, x, "dropout")
     if p == 0:
         return x

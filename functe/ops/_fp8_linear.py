@@ -280,7 +280,11 @@ def fp8_linear(
             raise shape_error("fp8_linear", "bias", describe_shape(x.dtype, (weight.shape[0],)), bias)
         check_same_dtype("fp8_linear", "bias", bias, x, "x")
     check_linear_state("fp8_linear", state, recipe)
-    check_same_device("fp8_linear", {"x": x, "weight": weight, "bias": bias})
+    state_leaves = {}
+    for role in ("input", "weight", "grad_output") if state is not None else ():
+        s = getattr(state, role)
+        state_leaves.update({f"state.{role}.scale": s.scale, f"state.{role}.amax_history": s.amax_history})
+    check_same_device("fp8_linear", {"x": x, "weight": weight, "bias": bias, **state_leaves})
     stateful = isinstance(recipe, DelayedScaling)  # amaxes are reduced to keep states identical
     mode, sp = tensor_parallel_mode, sequence_parallel
     parallel = linear_parallelism("fp8_linear", x, mode, sp, group, amax_group, fp8=stateful)

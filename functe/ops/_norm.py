@@ -15,7 +15,15 @@ import math
 
 import torch
 
-from .._errors import check_same_device, check_same_dtype, check_tensor, describe_shape, shape_error
+from .._errors import (
+    ArgumentError,
+    check_flag,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    describe_shape,
+    shape_error,
+)
 from .._vjp import custom_vjp
 from ..kernels.norm import (
     L2_NORMALIZE,
@@ -42,7 +50,7 @@ def _check(op: str, x: Tensor, params: dict[str, Tensor], eps) -> float:
         check_same_dtype(op, arg, value, x, "x")
     check_same_device(op, {"x": x, **params})
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"functe.{op}: argument 'eps' expected a finite Python number >= 0, got {eps!r}")
+        raise ArgumentError(f"functe.{op}: argument 'eps' expected a finite Python number >= 0, got {eps!r}")
     return float(eps)
 
 
@@ -109,7 +117,13 @@ def layer_norm(
         [-1.0, 1.0]
     """
     eps = _check("layer_norm", x, {"weight": weight, "bias": bias}, eps)
-    return _layer_norm(x, weight, bias, eps=eps, zero_centered_gamma=bool(zero_centered_gamma))[0]
+    return _layer_norm(
+        x,
+        weight,
+        bias,
+        eps=eps,
+        zero_centered_gamma=check_flag("layer_norm", "zero_centered_gamma", zero_centered_gamma),
+    )[0]
 
 
 def _rms_norm_fwd(x, weight, *, eps, zero_centered_gamma):
@@ -135,7 +149,9 @@ def rms_norm(x: Tensor, weight: Tensor, *, eps: float = 1e-5, zero_centered_gamm
         [0.8485, -1.1314]
     """
     eps = _check("rms_norm", x, {"weight": weight}, eps)
-    return _rms_norm(x, weight, eps=eps, zero_centered_gamma=bool(zero_centered_gamma))
+    return _rms_norm(
+        x, weight, eps=eps, zero_centered_gamma=check_flag("rms_norm", "zero_centered_gamma", zero_centered_gamma)
+    )
 
 
 def _l2_fwd(x, *, eps):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._collectives import collective, resolve_group
-from .._errors import check_tensor, describe, shape_error
+from .._errors import ArgumentError, check_tensor, describe, shape_error
 from .._vjp import custom_vjp
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ def all_reduce(x: Tensor, *, group: ProcessGroup | None = None, reduce_in_backwa
     """
     check_tensor("all_reduce", "x", x)
     if not isinstance(reduce_in_backward, bool):
-        raise TypeError(
+        raise ArgumentError(
             f"functe.all_reduce: argument 'reduce_in_backward' expected a bool, got {describe(reduce_in_backward)}"
         )
     g = resolve_group("all_reduce", group)

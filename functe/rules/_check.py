@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .._errors import ArgumentError
 from .._fuse import fuse
 from .._tree import leaf_paths, tree_flatten, tree_unflatten
 from ..testing import assert_close
@@ -28,7 +29,7 @@ def _pattern_program(pattern: Pattern, static: dict[str, dict[str, Any]]) -> Cal
 
         def call(node: Pattern, wanted: int | None):
             if node.variadic:
-                raise TypeError(f"functe.rules.check: the pattern {node!r} ends in '...'; pass the program as fn=")
+                raise ArgumentError(f"functe.rules.check: the pattern {node!r} ends in '...'; pass the program as fn=")
             args = []
             for i in node.inputs:
                 if isinstance(i, Pattern):
@@ -86,7 +87,9 @@ def check(
     """
     if fn is None:
         if not isinstance(example_args, dict):
-            raise TypeError("functe.rules.check: without fn, example_args must map the pattern's captures to values")
+            raise ArgumentError(
+                "functe.rules.check: without fn, example_args must map the pattern's captures to values"
+            )
         program, call = _pattern_program(rule.pattern, static or {}), (lambda f, a: f(**a))
     else:
         program, call = fn, (lambda f, a: f(*a))

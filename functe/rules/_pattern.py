@@ -43,7 +43,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import FuncteError, TraceError
+import torch
+
+from .._errors import FuncteError, RuleError, TraceError, describe
 from .._oplist import Atom, Eqn, Literal, OpList, Var, check_oplist, is_none, toposort
 from .._trace import forward_on_meta
 from .._tree import tree_flatten, tree_unflatten
@@ -86,7 +88,7 @@ class Pattern:
         self.shared = shared
         for i in inputs:
             if not (i is None or isinstance(i, (str, Pattern))):
-                raise TypeError(f"Pattern inputs are capture names, None or Patterns, got {i!r}")
+                raise RuleError(f"Pattern inputs are capture names, None or Patterns, got {i!r}")
 
     def __repr__(self):
         args = ", ".join([*(repr(i) for i in self.inputs), *(["..."] if self.variadic else [])])
@@ -162,9 +164,9 @@ class Rule:
 
     def __post_init__(self):
         if self.phase not in PHASES:
-            raise ValueError(f"rule {self.name}: phase must be one of {PHASES}, got {self.phase!r}")
+            raise RuleError(f"rule {self.name}: phase must be one of {PHASES}, got {self.phase!r}")
         if not isinstance(self.pattern, Pattern):
-            raise TypeError(f"rule {self.name}: pattern must be a Pattern, got {type(self.pattern).__name__}")
+            raise RuleError(f"rule {self.name}: pattern must be a Pattern, got {type(self.pattern).__name__}")
         if not self.location:
             frame = sys._getframe(2)
             object.__setattr__(self, "location", f"{frame.f_code.co_filename}:{frame.f_lineno}")
@@ -192,10 +194,10 @@ class RuleSet:
         names = [r.name for r in rules]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"rule names must be unique in a RuleSet; repeated: {duplicates}")
+            raise RuleError(f"rule names must be unique in a RuleSet; repeated: {duplicates}")
         for r in rules:
             if not isinstance(r, Rule):
-                raise TypeError(f"a RuleSet holds Rules, got {type(r).__name__}")
+                raise RuleError(f"a RuleSet holds Rules, got {type(r).__name__}")
         self.rules = rules
 
     def __add__(self, other) -> RuleSet:
@@ -382,7 +384,7 @@ class _Rewriter:
             return None
         fused = rule.rewrite(m)
         if not isinstance(fused, Eqn):
-            raise TypeError(f"rule {rule.name}: rewrite must return an Eqn, got {type(fused).__name__}")
+            raise RuleError(f"rule {rule.name}: rewrite must return an Eqn, got {type(fused).__name__}")
         missing = [v for v in m.outputs if not any(v is o for o in fused.outputs)]
         if missing:
             raise TraceError(
@@ -425,6 +427,26 @@ def _check_fused(rule: Rule, fused: Eqn) -> None:
             f"({len(fused.covers)}: {', '.join(e.name for e in fused.covers)}), got "
             f"{len(res) if isinstance(res, tuple) else type(res).__name__}"
         )
+    if rule.phase == "forward":
+        # The backward plan hands each covered op's backward rule its residual: same structure,
+        # shapes and dtypes as that op's own forward rule returns (else it fails deep inside it).
+        for i, (eqn, mine) in enumerate(zip(fused.covers, res)):
+            _, theirs = forward_on_meta(eqn.op, eqn.inputs, eqn.params, eqn.in_tree)
+            if _residual_layout(mine) != _residual_layout(theirs):
+                raise TraceError(
+                    f"rule {rule.name}: residual {i} of the fused op {fused.name} must be what {eqn.name}'s "
+                    f"forward rule returns, {_residual_text(theirs)}; got {_residual_text(mine)}"
+                )
+
+
+def _residual_layout(res) -> tuple:
+    leaves, tree = tree_flatten(res)
+    return tree, [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves]
+
+
+def _residual_text(res) -> str:
+    leaves, tree = tree_flatten(res)
+    return f"{tree} of ({', '.join(describe(t) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)})"
 
 
 def rewrite(
@@ -450,6 +472,6 @@ def rewrite(
         {'forward_linear_bias_add': 1}
     """
     if phase not in PHASES:
-        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        raise RuleError(f"phase must be one of {PHASES}, got {phase!r}")
     rewriter = _Rewriter(rules.phase(phase), phase, recipe, max_rewrites)
     return rewriter.run(oplist), rewriter.stats

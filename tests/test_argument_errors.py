@@ -1,0 +1,196 @@
+"""Bad arguments get clear functe errors, never a silent wrong answer: ops, custom_vjp, tracing, fusion
+rules and the fuse cache (cases an API fuzz found)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make
+
+import functe
+from functe import ops
+from functe.ops import _core
+from functe.rules import Pattern, Rule, RuleSet, check
+
+X = make((4, 8))
+
+# ----------------------------------------------------------------------------- every error is a FuncteError
+
+_ARGUMENT_ERRORS = {
+    "dropout p": lambda: ops.dropout(X, 1.5, seed=0),
+    "dropout seed": lambda: ops.dropout(X, 0.5, seed=1.0),
+    "interleave": lambda: ops.swiglu(X, interleave=0),
+    "eps": lambda: ops.layer_norm(X, torch.ones(8), torch.zeros(8), eps=-1.0),
+    "limit": lambda: ops.clamped_swiglu(X, limit=-1.0),
+    "scale": lambda: ops.constant_scale(X, torch.tensor(2.0)),
+    "activation name": lambda: ops.activation(X, "bogus"),
+    "unhashable activation name": lambda: ops.activation(X, ["gelu"]),
+    "tensor_parallel_mode": lambda: ops.linear(X, make((3, 8)), tensor_parallel_mode="diag"),
+    "zero_centered_gamma": lambda: ops.layer_norm(X, torch.ones(8), torch.zeros(8), zero_centered_gamma="no"),
+    "rms zero_centered_gamma": lambda: ops.rms_norm(X, torch.ones(8), zero_centered_gamma=1),
+    "scaled_swiglu s": lambda: ops.scaled_swiglu(X, None),
+    "scaled_srelu s": lambda: ops.scaled_srelu(X, None),
+    "scaled_clamped_qgeglu s": lambda: ops.scaled_clamped_qgeglu(X, None),
+    "reshape int dims": lambda: ops.reshape(X, (3.5, 4)),
+    "reshape negative dims": lambda: ops.reshape(X, (-2, -16)),
+}
+
+
+@pytest.mark.parametrize("case", list(_ARGUMENT_ERRORS))
+def test_argument_errors_are_functe_errors_and_builtin_ones(case):
+    with pytest.raises(functe.ArgumentError, match=r"^functe\.\w+: ") as info:
+        _ARGUMENT_ERRORS[case]()
+    assert isinstance(info.value, functe.FuncteError)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)  # what callers caught before
+
+
+def test_reshape_takes_an_int_as_torch_does():
+    assert ops.reshape(X, 32).shape == (32,)
+    assert torch.equal(ops.reshape(X, [2, -1]), X.reshape(2, -1))
+
+
+def test_rule_contract_errors_are_rule_errors():
+    twice = functe.custom_vjp("twice", lambda t: (t * 2, None), lambda r, g: (g, g))
+    with pytest.raises(functe.RuleError, match=r"functe\.twice: the backward rule must return a tuple of 1"):
+        torch.func.grad(lambda t: twice(t).sum())(X)
+    bare = functe.custom_vjp("bare", lambda t: t * 2, lambda r, g: (g,))
+    with pytest.raises(functe.RuleError, match=r"functe\.bare: the forward rule must return \(out, residuals\)"):
+        bare(X)
+
+
+# ----------------------------------------------------------------------------- custom_vjp static arguments
+
+
+def test_a_tensor_passed_as_a_static_argument_is_refused():
+    # Static values are closed over by the rules: d/ds was silently None, or 0 under torch.func.grad.
+    scale = functe.custom_vjp("scale", lambda x, *, s: (x * s, None), lambda _, g, *, s: (g * s,))
+    s = torch.tensor(3.0, requires_grad=True)
+    with pytest.raises(functe.ArgumentError, match=r"functe\.scale: keyword argument 's' is static .* got f32\[\]"):
+        scale(X, s=s)
+    assert torch.equal(scale(X, s=3.0), X * 3.0)
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def test_state_and_seed_devices_are_checked():
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    state = functe.tree_map(lambda t: t.to("meta"), functe.init_linear_scaling_state(recipe))
+    with pytest.raises(functe.DeviceError, match=r"fp8_linear: arguments must share one device.*'state\.input\.scale'"):
+        ops.fp8_linear(make((4, 16)), make((8, 16)), None, state, recipe=recipe)
+    with pytest.raises(functe.DeviceError, match=r"dropout: argument 'seed' is on the meta device"):
+        ops.dropout(X, 0.5, seed=torch.tensor(1, device="meta"))
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+def test_to_another_tensor_converts_or_is_refused():
+    # x.to(other) takes other's dtype: it was recorded as a no-op (the fused result stayed f32).
+    like = torch.zeros(1, dtype=torch.float16)
+    with pytest.raises(functe.TraceError, match=r"Tensor\.to\(f32\[4,8\], f16\[1\]\)"):
+        functe.trace(lambda x, like: ops.gelu(x).to(like))(X, like)
+    same = functe.fuse(lambda x, like: ops.gelu(x).to(like))
+    assert torch.equal(same(X, torch.zeros(1)), ops.gelu(X))
+
+
+def test_traced_dtype_errors_keep_their_message():
+    # torch's operator methods turn a TypeError (DTypeError is one) into NotImplemented:
+    # "unsupported operand type(s) for +: 'Tracer' and 'Tracer'" was all that was left.
+    y = X.double()
+    for fn in (lambda x, y: x + y, lambda x, y: x - y):
+        with pytest.raises(functe.TraceError, match=r"add_extra_input: argument 'extra' expected dtype f32"):
+            functe.trace(fn)(X, y)
+
+
+def test_torch_keywords_are_recorded_or_refused_by_name():
+    w, y = make((3, 8)), make((4, 8))
+    fused = functe.fuse(lambda x, y, w: F.linear(input=x.sub(y, alpha=2), weight=w))
+    assert torch.equal(fused(X, y, w), F.linear(X - 2 * y, w))
+    for fn, call in [
+        (lambda x: x.div(2, rounding_mode="floor"), r"Tensor\.div\(f32\[4,8\], int, rounding_mode=str\)"),
+        (lambda x: x.reshape(shape=(32,)), r"Tensor\.reshape\(f32\[4,8\], shape=tuple\)"),
+    ]:
+        with pytest.raises(functe.TraceError, match=call + " on a traced value cannot be recorded"):
+            functe.trace(fn)(X)
+    with pytest.raises(functe.TraceError, match=r"Tensor\.view: functe\.reshape: argument 'shape' expected a tuple"):
+        functe.trace(lambda x: x.view(torch.int32))(X)
+
+
+def test_division_by_zero_follows_torch():
+    x = torch.tensor([[2.0, -3.0, 0.0, float("nan")]])
+    for zero in (0, 0.0, -0.0):
+        got = functe.fuse(lambda x, zero=zero: x / zero)(x)
+        assert torch.equal(got.isnan(), (x / zero).isnan()) and torch.equal(got.nan_to_num(), (x / zero).nan_to_num())
+
+
+# ----------------------------------------------------------------------------- the fuse cache
+
+
+def test_static_floats_key_the_cache_by_their_bits():
+    fused = functe.fuse(lambda x, s: x * s)
+    for _ in range(3):
+        fused(X, math.nan)
+    assert fused.trace_count == 1  # nan != nan: every call retraced and grew the cache
+    one = torch.ones(2)
+    assert fused(one, 0.0).tolist() == [0.0, 0.0]
+    negative = fused(one, -0.0)  # -0.0 == 0.0 reused the 0.0 plan: +0 instead of -0
+    assert torch.equal(negative.signbit(), torch.tensor([True, True])) and fused.trace_count == 3
+
+
+# ----------------------------------------------------------------------------- fusion rule contracts
+
+
+def _program(x, w, b):
+    return ops.bias(ops.linear(x, w), b)
+
+
+_LINEAR_BIAS = Pattern(_core._bias, Pattern(_core._linear, "x", "w", None), "b")
+_ARGS = (make((4, 8)), make((6, 8)), make((6,)))
+
+
+def _forward_rule(fwd):
+    op = functe.custom_vjp("bad_fused", fwd, lambda r, g: (None, None, None))
+    return Rule("bad_forward", "forward", _LINEAR_BIAS, rewrite=lambda m: m.fuse(op, [m["x"], m["w"], m["b"]]))
+
+
+@pytest.mark.parametrize(
+    ("residuals", "got"),
+    [
+        (lambda x, w: ((x, w), None), r"PyTreeSpec\(\(\*, \*\), NoneIsLeaf\) of \(f32\[4,8\], f32\[6,8\]\)"),
+        (lambda x, w: (None, (x, w, False)), r"PyTreeSpec\(\*, NoneIsLeaf\) of \(None\)"),
+        (lambda x, w: ((w, x, False), None), r".* of \(f32\[6,8\], f32\[4,8\], False\)"),
+    ],
+    ids=["inner structure", "swapped", "wrong tensors"],
+)
+def test_a_forward_rule_must_return_each_covered_ops_residuals(residuals, got):
+    # Anything else failed deep inside linear's backward rule, naming neither the rule nor the op.
+    rule = _forward_rule(lambda x, w, b: (F.linear(x, w) + b, residuals(x, w)))
+    msg = r"rule bad_forward: residual \d of the fused op bad_fused must be what \w+'s forward rule returns, .*; got "
+    with pytest.raises(functe.TraceError, match=msg + got):
+        functe.fuse(_program, rules=RuleSet([rule]))(*_ARGS)
+    with pytest.raises(functe.TraceError, match=msg):
+        check(rule, _ARGS, fn=_program)
+
+
+@pytest.mark.parametrize("bad", [lambda g: g.sum(0, keepdim=True), lambda g: g.sum(0).double()], ids=["shape", "dtype"])
+def test_a_backward_rule_returning_a_wrong_gradient_is_caught_on_every_path(bad):
+    # Plain autograd silently summed a [1,N] gradient to [N] (or cast it), and rules.check passed.
+    def bwd(res, g):
+        (x, w, _), _ = res  # the covered ops' residuals: linear's, then bias's
+        return g @ w, g.reshape(-1, g.shape[-1]).t() @ x, bad(g)
+
+    op = functe.custom_vjp("bad_backward", lambda x, w, b: (F.linear(x, w, b), (x, w)), bwd)
+    rule = Rule("bad_backward", "backward", _LINEAR_BIAS, rewrite=lambda m: m.fuse(op, [m["x"], m["w"], m["b"]]))
+    fused = functe.fuse(_program, rules=RuleSet([rule]))
+    args = [a.clone().requires_grad_() for a in _ARGS]
+    msg = r"the backward (plan|rule) returned f(32|64)\[1?,?6\] .*(input 2|input leaf 2), expected f32\[6\]"
+    with pytest.raises(functe.RuleError, match=msg):
+        torch.autograd.grad(fused(*args).sum(), args)
+    with pytest.raises(functe.RuleError, match=msg):
+        torch.func.grad(lambda *a: fused(*a).sum(), argnums=(0, 1, 2))(*_ARGS)
+    with pytest.raises(functe.RuleError, match=msg):
+        check(rule, _ARGS, fn=_program)
