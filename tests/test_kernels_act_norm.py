@@ -191,6 +191,61 @@ def test_a_kernel_returns_the_same_bits_whether_or_not_it_is_recorded(dtype):
                 assert torch.equal(p, g.detach()), (*label, name)
 
 
+@pytest.mark.parametrize(
+    ("name", "a", "b", "dy"),
+    [
+        ("reglu", -1.0, 1e30, 1e10),
+        ("swiglu", -30.0, 1e30, 1e10),
+        ("glu", 0.0, 3e38, -3.0),
+        ("sreglu", 1.0, 3e38, 0.0),
+    ],
+)
+def test_gated_backward_multiplies_in_one_order_on_every_route(name, a, b, dy):
+    # TE's da = (dy·f'(a))·b: the CPU fast path formed f'(a)·(dy·b) and the kernel dy·(f'(a)·b), so
+    # where an intermediate leaves fp32 (dy·b = 1e40) the routes gave NaN, -inf or 0 for one input.
+    x, g = torch.tensor([[a, b]]), torch.tensor([[dy]])
+    x64 = x.double().requires_grad_()
+    a64, b64 = x64[:, :1], x64[:, 1:]
+    f = {"reglu": torch.relu, "swiglu": torch.nn.functional.silu, "glu": torch.sigmoid}.get(name)
+    y64 = (torch.relu(a64) ** 2 if name == "sreglu" else f(a64)) * b64
+    (want,) = torch.autograd.grad(y64, x64, g.double())
+    results = [ak.DACTIVATION.twin(g, x, name, 0, 0.0, 0.0, 0.0)]
+    results.append(ak._vjp(g, x, name, 0, 0.0, 0.0, 0.0))
+    with functe.use_backend("interpret"):
+        results.append(ak.DACTIVATION(g, x, name, 0, 0.0, 0.0, 0.0))
+    for got in results:  # (the routes may differ by an ulp, not by leaving fp32)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+
+
+def test_clamped_backward_keeps_a_nan_or_inf_cotangent_where_the_clamp_is_active():
+    # TE multiplies the clamp's zero factor by dy: dy·0 is NaN for dy = NaN or inf. The fast path
+    # zeroed after multiplying and returned 0 (also for a row scale s = inf).
+    x = torch.tensor([[9.0, 1.0, 2.0, 9.0]])  # a = [9, 1] (a_0 > limit 7), b = [2, 9] (b_1 > limit)
+    for dy in (torch.tensor([[float("nan"), 1.0]]), torch.tensor([[float("inf"), float("inf")]])):
+        ref = ak._vjp(dy, x, "clamped_swiglu", 0, 7.0, 1.702, 1.0)
+        fast = ak.DACTIVATION.twin(dy, x, "clamped_swiglu", 0, 7.0, 1.702, 1.0)
+        with functe.use_backend("interpret"):
+            kernel = ak.DACTIVATION(dy, x, "clamped_swiglu", 0, 7.0, 1.702, 1.0)
+        assert ref.isnan().any()
+        assert torch.equal(fast.isnan(), ref.isnan()) and torch.equal(kernel.isnan(), ref.isnan())
+    s = torch.tensor([float("inf")])
+    scaled = ak.DACTIVATION_SCALED.twin(torch.ones(1, 2), x, s, "clamped_swiglu", 0, 7.0, 1.702, 1.0)[0]
+    assert scaled[0, 0].isnan() and scaled[0, 3].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_srelu_backward_forms_2x_in_fp32(dtype):
+    # fp16 2x overflows from 32752: the CPU path gave inf (and NaN for dy = 0, or when the fp16 sum
+    # of x overflowed to -inf); TE computes dy·2x in fp32 and rounds once.
+    x = torch.tensor([40000.0, 40000.0, 1.0, -60000.0, -60000.0, float("nan")]).to(dtype)
+    dy = torch.tensor([1e-3, 0.0, 1.0, 1.0, 1.0, 1.0]).to(dtype)
+    want = (dy.double() * torch.where(x.double() > 0, 2 * x.double(), 0.0)).to(dtype)
+    with functe.use_backend("interpret"):
+        kernel = ak.DACTIVATION(dy, x, "srelu", 0, 0.0, 0.0, 0.0)
+    for got in (ak.DACTIVATION.twin(dy, x, "srelu", 0, 0.0, 0.0, 0.0), kernel):
+        assert got.isfinite().all() and torch.equal(got.abs(), want.abs())
+
+
 def test_fast_path_keeps_nan_and_inf_semantics():
     x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 0.0, -2.0, 3.0]])
     dy = torch.tensor([[1.0, 1.0, float("inf"), float("nan"), 2.0, -1.0]])

@@ -191,6 +191,32 @@ def test_nan_in_a_row_stays_in_that_row(backend):
 # ----------------------------------------------------------------------------- errors
 
 
+@pytest.mark.parametrize(
+    "x",
+    [torch.full((16, 1), 1e4), torch.full((16, 8), 1e4), 1e4 + torch.randn(16, 64)],
+    ids=["one column", "constant rows", "mean 1e4"],
+)
+def test_layer_norm_backward_far_from_zero(x):
+    # torch's CPU kernel forms x̂ = rstd·x − rstd·mean in one FMA: for one column (x̂ = 0 exactly, so
+    # dγ = 0) it gave dγ = 0.48, for constant rows of 1e4 a 2% dx error. The CPU path now passes x − mean.
+    gen = torch.Generator().manual_seed(3)
+    w, b = 1 + 0.1 * torch.randn(x.shape[-1], generator=gen), torch.randn(x.shape[-1], generator=gen)
+    dy = torch.randn(x.shape, generator=gen)
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    centred = x64 - x64.mean(-1, keepdim=True)
+    y64 = centred / torch.sqrt((centred**2).mean(-1, keepdim=True) + 1e-5) * w64 + b64
+    ref = torch.autograd.grad(y64, (x64, w64, b64), dy.double())
+    # x's own fp32 rounding near 1e4 limits every path to ~1e-3 of x̂ for the random rows
+    tol = 1e-5 if x.std() == 0 else 2e-3
+    # dx sums terms of size rstd·|dy·γ| (rstd = 316 for constant rows) that cancel to ~0
+    rstd = float(torch.rsqrt(centred.detach().pow(2).mean(-1) + 1e-5).max())
+    scale = max(1.0, float((dy * w).abs().max()) * rstd)
+    for backend, (_, grads) in on_backends(lambda x, w, b: ops.layer_norm(x, w, b), (x, w, b), dy).items():
+        for name, got, want in zip(("dx", "dγ", "dβ"), grads, ref):
+            err = float((got.double() - want).abs().max())
+            assert err <= tol * (scale if name == "dx" else max(1.0, float(want.abs().max()))), (backend, name, err)
+
+
 def test_weight_shape_and_dtype_mismatches():
     x = torch.zeros(4, 16)
     with pytest.raises(
