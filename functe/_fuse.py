@@ -30,17 +30,19 @@ import functools
 import itertools
 import linecache
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 
 from . import _trace
 from ._errors import RuleError, TraceError, describe, describe_shape
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._trace import trace_call, vjp_call
-from ._tree import tree_flatten, tree_leaves, tree_unflatten
-from ._vjp import _guard, custom_vjp, higher_order_anchor
+from ._tree import is_pytree_dataclass, tree_flatten, tree_leaves, tree_unflatten
+from ._vjp import _guard, _refuse_compiled_transforms, custom_vjp, higher_order_anchor
 
 Tensor = torch.Tensor
 
@@ -64,10 +66,6 @@ def _zeros(meta) -> Tensor:
 
 def _zeros_or(ct, meta) -> Tensor:
     return _zeros(meta) if ct is None else ct
-
-
-def _arg_leaves(ct, spec) -> list:
-    return [None] * spec.num_leaves if ct is None else tree_leaves(ct)
 
 
 # ----------------------------------------------------------------------------- code generation
@@ -94,7 +92,7 @@ class _Emitter:
             "_zeros_or": _zeros_or,
             "_leaves": tree_leaves,
             "_unflatten": tree_unflatten,
-            "_arg_leaves": _arg_leaves,
+            "_dataclass": _dataclass,
         }
         self._by_id: dict[int, str] = {}
         self.lines: list[str] = []
@@ -128,7 +126,7 @@ class _Emitter:
         if eqn.in_tree == flat_spec(len(atoms)):
             text = ", ".join(atoms)
         else:
-            text = f"*_unflatten({self.glob(eqn.in_tree, 's')}, [{', '.join(atoms)}])"
+            text = "*" + self.build(eqn.in_tree, atoms)
         return text + self.params(eqn)
 
     def params(self, eqn: Eqn) -> str:
@@ -143,14 +141,73 @@ class _Emitter:
         elif eqn.out_tree == flat_spec(len(names)):
             self.emit(f"{', '.join(names)}, = {value}")
         else:
-            self.emit(f"{', '.join(names)}, = _leaves({value})")
+            self.emit(f"{', '.join(names)}, = {self.leaves(eqn.out_tree, value)}")
 
     def pack(self, items: list[str], tree) -> str:
         if tree == LEAF:
             return items[0]
         if tree == flat_spec(len(items)):
             return f"({', '.join(items)},)" if items else "()"
-        return f"_unflatten({self.glob(tree, 's')}, [{', '.join(items)}])"
+        return self.build(tree, items)
+
+    # Pytrees are built and taken apart by generated Python where their nodes allow (tuples, lists,
+    # dicts, namedtuples, functe.pytree_dataclass): Dynamo refuses optree calls with specs made
+    # outside its trace ("Expected treespec to be an instance of PyTreeSpec").
+
+    def build(self, tree, items: list[str]) -> str:
+        """A Python expression building a pytree of structure ``tree`` from leaf expressions."""
+        if not _spelled_out(tree):
+            return f"_unflatten({self.glob(tree, 's')}, [{', '.join(items)}])"
+        it = iter(items)
+        return self._node(tree, it)
+
+    def _node(self, tree, it) -> str:
+        if tree.is_leaf():
+            return next(it)
+        parts = [self._node(c, it) for c in tree.children()]
+        kind = tree.kind
+        if kind == optree.PyTreeKind.TUPLE:
+            return f"({''.join(p + ', ' for p in parts)})"
+        if kind == optree.PyTreeKind.LIST:
+            return f"[{', '.join(parts)}]"
+        if kind == optree.PyTreeKind.DICT:
+            # (flattened in sorted key order; rebuilt in the original one, as optree does)
+            by_key = dict(zip(tree.entries(), parts))
+            order = optree.tree_unflatten(tree, [None] * tree.num_leaves)
+            return "{" + ", ".join(f"{self.literal(k)}: {by_key[k]}" for k in order) + "}"
+        if kind == optree.PyTreeKind.NAMEDTUPLE:
+            return f"{self.glob(tree.type, 't')}({', '.join(parts)})"
+        return f"_dataclass({self.glob(tree.type, 't')}, ({''.join(p + ', ' for p in parts)}))"
+
+    def leaves(self, tree, value: str) -> str:
+        """A Python expression for the leaves of ``value`` (of structure ``tree``), as a tuple."""
+        if not _spelled_out(tree):
+            return f"_leaves({value})"
+        return "(" + "".join(f"{a.codify(value)}, " for a in tree.accessors()) + ")"
+
+
+_SPELLED_KINDS = (optree.PyTreeKind.TUPLE, optree.PyTreeKind.LIST, optree.PyTreeKind.NAMEDTUPLE)
+
+
+def _spelled_out(tree) -> bool:
+    """Whether generated code can build and index pytrees of structure ``tree`` itself."""
+    if tree.is_leaf():
+        return True
+    kind = tree.kind
+    ok = (
+        kind in _SPELLED_KINDS
+        or (kind == optree.PyTreeKind.DICT and all(_is_literal(k) for k in tree.entries()))
+        or (kind == optree.PyTreeKind.CUSTOM and is_pytree_dataclass(tree.type))
+    )
+    return ok and all(_spelled_out(c) for c in tree.children())
+
+
+def _dataclass(cls, kids: tuple):
+    """A functe.pytree_dataclass instance from its fields in order (as its pytree rebuild: no __init__)."""
+    obj = object.__new__(cls)
+    for name, v in zip(cls.__functe_pytree_fields__, kids):
+        object.__setattr__(obj, name, v)
+    return obj
 
 
 def _is_float_var(a) -> bool:
@@ -259,7 +316,7 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
 
     # The fused op materialises the output cotangents (symbolic_zeros=False): they are tensors.
     if program.out_tree != LEAF:
-        em.emit("cts = _leaves(cts)")
+        em.emit(f"cts = {em.leaves(program.out_tree, 'cts')}")
     for j, a in enumerate(program.outputs):
         if isinstance(a, Var) and a in live.needs:
             accumulate(a, "cts" if program.out_tree == LEAF else f"cts[{j}]", known=True)
@@ -288,7 +345,8 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
             if child == LEAF:
                 accumulate(atoms[0], f"_c[{i}]")
             else:
-                em.emit(f"_l = _arg_leaves(_c[{i}], {em.glob(child, 's')})")
+                em.emit(f"_t = _c[{i}]")
+                em.emit(f"_l = {(None,) * child.num_leaves!r} if _t is None else {em.leaves(child, '_t')}")
                 for k, a in wanted:
                     accumulate(a, f"_l[{k}]")
     em.emit("return (" + "".join(f"{grads.get(v, 'None')}, " for v in program.inputs) + ")")
@@ -478,6 +536,9 @@ class Fused:
         if _trace.tracing():
             return self.__wrapped__(*args, **kwargs)  # inside an outer trace: inline
         if torch.compiler.is_compiling():
+            # Inside a compiled torch.func transform no tensor shows requires_grad, so the forward
+            # plan alone would run and Dynamo would differentiate it, dropping the backward rules.
+            _refuse_compiled_transforms(f"fuse({self.__name__})")
             walked: list[Tensor] = []
             index, order = _compiled_plan_index(self, _constant_key((args, kwargs), walked))
             plan = self._plans[index]
@@ -608,7 +669,12 @@ def _constant_key(tree: Any, tensors: list) -> Any:
     """
     if isinstance(tree, Tensor):
         tensors.append(tree)
-        return ("T", tuple(tree.shape), tree.dtype, tree.device)
+        # operator.index specialises a size Dynamo made symbolic (on a recompile: automatic dynamic
+        # shapes; or dynamic=True), with a guard: a plan is per shape anyway, and
+        # assume_constant_result cannot take a symbolic argument (int() does not specialise).
+        return ("T", tuple(operator.index(d) for d in tree.shape), tree.dtype, tree.device)
+    if type(tree) is int:
+        return ("S", operator.index(tree))
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         return ("nt", type(tree), tuple(_constant_key(t, tensors) for t in tree))
     if isinstance(tree, (tuple, list)):
@@ -619,7 +685,9 @@ def _constant_key(tree: Any, tensors: list) -> Any:
         names = tuple(f.name for f in dataclasses.fields(tree))
         return ("dc", type(tree), names, tuple(_constant_key(getattr(tree, n), tensors) for n in names))
     if type(tree) is float:
-        return ("S", tree, tree.hex())  # (-0.0 is not 0.0 here: see Fused._lookup)
+        # by its bits (-0.0 is not 0.0: see Fused._lookup); .hex() also specialises a float Dynamo
+        # made symbolic, where float() does not
+        return ("F", tree.hex())
     return ("S", tree)
 
 
@@ -639,7 +707,7 @@ def _rebuild(key: Any) -> Any:
         for name, k in zip(key[2], key[3]):
             object.__setattr__(obj, name, _rebuild(k))
         return obj
-    return key[1]
+    return float.fromhex(key[1]) if kind == "F" else key[1]
 
 
 @torch._dynamo.assume_constant_result

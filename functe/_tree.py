@@ -92,6 +92,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     """
     cls = dataclasses.dataclass(frozen=True)(cls)
     names = tuple(f.name for f in dataclasses.fields(cls))
+    cls.__functe_pytree_fields__ = names  # (generated code rebuilds such nodes itself: functe._fuse)
 
     def children(obj):
         return tuple(getattr(obj, n) for n in names)
@@ -121,3 +122,8 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         ),
     )
     return cls
+
+
+def is_pytree_dataclass(cls) -> bool:
+    """Whether ``cls`` was made by :func:`pytree_dataclass` (its fields are its children, in order)."""
+    return "__functe_pytree_fields__" in getattr(cls, "__dict__", {})

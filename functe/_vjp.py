@@ -270,8 +270,9 @@ def _refuse_compiled_transforms(name: str) -> None:
     the forward. Asking for the functorch level here makes Dynamo stop: with
     ``fullgraph=False`` it breaks the graph and the op runs eagerly (correct),
     with ``fullgraph=True`` it raises. Outside any transform the call folds to
-    ``None`` and costs nothing. If Dynamo ever evaluates it inside a transform,
-    the explicit error below takes over. See docs/design.md.
+    ``None`` and costs nothing. Where Dynamo evaluates it inside a transform
+    (``backend="eager"`` with ``fullgraph=False`` does), the explicit error
+    below takes over. See docs/design.md.
     """
     if torch._C._functorch.maybe_current_level() is not None:
         raise TransformError(

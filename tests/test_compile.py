@@ -81,3 +81,70 @@ def test_functe_ops_never_drop_backward_rules_under_compiled_transforms(backend)
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"maybe_current_level|functe\.zero_bwd"):
         torch.compile(grad(f), backend="aot_eager", fullgraph=True)(x)
+    # The same through functe.fuse: inside the traced transform no tensor requires grad, and the
+    # forward plan alone ran, so Dynamo differentiated it (cos(x), silently) in both modes.
+    fused = functe.fuse(lambda x: _zero_bwd(x))
+    g = lambda x: fused(x).sum()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(grad(g), backend="aot_eager")(x), torch.zeros(5))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"maybe_current_level|torch\.\* op returned non-Tensor|functe\.fuse"):
+        torch.compile(grad(g), backend="aot_eager", fullgraph=True)(x)
+    # backend="eager", fullgraph=False: Dynamo evaluates the check inside the transform: functe's error.
+    torch._dynamo.reset()
+    with pytest.raises(functe.TransformError, match=r"functe\.zero_bwd: torch\.compile of a torch\.func transform"):
+        torch.compile(grad(f), backend="eager")(x)
+
+
+def test_a_compiled_fused_function_recompiles_for_new_shapes_and_static_values():
+    # On a recompile Dynamo makes changed sizes and Python numbers symbolic, which the plan lookup
+    # (assume_constant_result) refused: a new batch size or a new static float raised.
+    fused = functe.fuse(lambda x, w, s, k: ops.constant_scale(ops.gelu(ops.linear(x, w)), s * k))
+    compiled = torch.compile(fused, backend="eager", fullgraph=True)
+    w = make((8, 8))
+    for n, s, k in ((3, 0.5, 1), (5, 0.25, 2), (7, 2.0, 3), (3, 0.5, 1)):
+        x = make((n, 8)).requires_grad_()
+        got, want = compiled(x, w, s, k), fused(x, w, s, k)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0])
+    assert fused.trace_count == 3
+    torch._dynamo.reset()
+    x = make((4, 8))
+    assert torch.equal(
+        torch.compile(fused, backend="eager", fullgraph=True, dynamic=True)(x, w, 0.5, 1), fused(x, w, 0.5, 1)
+    )
+
+
+def test_compiled_dropout_with_a_changing_p():
+    # The fp32 scale 1/(1-p) is folded by Dynamo (assume_constant_result): a symbolic p raised.
+    fn = lambda x, p: ops.dropout(x, p, seed=torch.tensor(3))
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    x = make((6, 6))
+    for p in (0.1, 0.2, 0.5):
+        assert torch.equal(compiled(x, p), fn(x, p))
+
+
+def test_fused_functions_with_pytree_outputs_and_state_arguments_compile_fullgraph():
+    # The generated plan code built and indexed pytrees with optree specs made outside the trace,
+    # which Dynamo refuses: a dict output, or an fp8_linear taking a delayed-scaling state, failed.
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    state = functe.init_linear_scaling_state(recipe)
+
+    def fn(x, w, st):
+        y = ops.fp8_linear(x, w, None, st, recipe=recipe)
+        return {"y": y, "pair": (ops.gelu(y), [y * 2.0])}
+
+    fused = functe.fuse(fn, recipe=recipe)
+    x, w = make((4, 16)), make((8, 16))
+    compiled = torch.compile(fused, backend="eager", fullgraph=True)
+    for f in (fused, compiled):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = f(xs, ws, state)
+        assert list(out) == ["y", "pair"] and isinstance(out["pair"][1], list)
+        loss = out["y"].sum() + out["pair"][0].sum() + out["pair"][1][0].sum()
+        grads = torch.autograd.grad(loss, (xs, ws))
+        if f is fused:
+            expected = (out, grads)
+    assert all(torch.equal(a, b) for a, b in zip(functe.tree_leaves(out), functe.tree_leaves(expected[0])))
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected[1]))
+    assert "_unflatten(" not in fused.plan(x, w, state).source  # spelled out in Python

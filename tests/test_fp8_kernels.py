@@ -218,3 +218,12 @@ def test_recipe_level_fused_casts_equal_the_unfused_path(recipe, backend):
     q_ref, s_ref, amax_ref = cast(g, recipe, "grad_output", scale, E5M2)
     assert_close(amax, amax_ref) and assert_close(s, s_ref) and assert_close(dbias, g.double().sum(0))
     assert_close(q.float(), q_ref.float(), dtype=E5M2)
+
+
+def test_e8m0_scales_are_exact_powers_of_two_without_the_e8m0_dtype():
+    # Built from float32 bits (Inductor's CPU backend has no float8_e8m0fnu): every code.
+    e = torch.arange(256, dtype=torch.uint8)
+    got = qk.e8m0_to_float(e)
+    want = torch.tensor([2.0 ** (i - 127) for i in range(255)] + [float("nan")], dtype=torch.float64)
+    assert got.dtype == torch.float32 and got[255].isnan()
+    assert torch.equal(got[:255].double(), want[:255])

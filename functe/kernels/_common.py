@@ -55,6 +55,18 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]) if dim else t.reshape(1, 1)
 
 
+def static_float(value: float) -> float:
+    """``float(value)``, specialised under torch.compile: Dynamo makes a Python float that changed
+    between calls symbolic, which a static argument (a cache key, an ``assume_constant_result``
+    argument) cannot be; ``.hex()`` makes it guard on the value instead (``float()`` does not).
+
+    Example:
+        >>> static_float(0.25)
+        0.25
+    """
+    return float.fromhex(float(value).hex())
+
+
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, skipping the call when ``t`` already has it: a no-op ``.to`` still costs a
     dispatch (~1 µs), which is most of a small op's time on the CPU fast paths."""

@@ -61,6 +61,7 @@ import triton.language as tl
 from .._backend import interpreting, runs_triton
 from .._errors import (
     FLOAT_DTYPES,
+    ArgumentError,
     DTypeError,
     check_same_device,
     check_same_dtype,
@@ -486,7 +487,7 @@ def _check_activation(op, name, activation, *, required=False):
     if activation is None and not required:
         return
     if activation not in ACTIVATIONS:
-        raise ValueError(f"functe.{op}: argument '{name}' expected one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        raise ArgumentError(f"functe.{op}: argument '{name}' expected one of {sorted(ACTIVATIONS)}, got {activation!r}")
 
 
 def check_forward(op, x, w, bias, residual, activation, x_scale_inv, w_scale_inv, out_dtype) -> torch.dtype:

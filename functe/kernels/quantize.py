@@ -647,8 +647,16 @@ def e8m0_exponent_ref(block_amax: Tensor, fp8_max: float) -> Tensor:
 
 
 def e8m0_to_float(e: Tensor) -> Tensor:
-    """``2**(e - 127)`` as float32 for biased exponents ``e`` (255 -> NaN), exactly."""
-    return e.view(torch.float8_e8m0fnu).to(torch.float32) if e.dtype == torch.uint8 else e.to(torch.float32)
+    """``2**(e - 127)`` as float32 for biased exponents ``e`` (255 -> NaN), exactly.
+
+    Built from the float32 bits rather than through ``torch.float8_e8m0fnu``, which Inductor cannot
+    compile on the CPU (its C++ backend has no such dtype).
+    """
+    if e.dtype != torch.uint8:
+        return e.to(torch.float32)
+    bits = e.to(torch.int32) << 23  # the exponent field: 2**(e - 127) for e in 1..254
+    bits = torch.where(e == 0, 0x00400000, bits)  # 2**-127 is subnormal in float32
+    return torch.where(e == 255, 0x7FC00000, bits).view(torch.float32)  # NaN
 
 
 def mxfp8_cast_ref(x: Tensor, qdtype: torch.dtype, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:

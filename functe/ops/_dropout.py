@@ -16,6 +16,7 @@ import torch
 from .._errors import ArgumentError, check_tensor
 from .._seed import seed_tensor
 from .._vjp import custom_vjp
+from ..kernels._common import static_float
 from ..kernels.dropout import DROPOUT
 
 Tensor = torch.Tensor
@@ -65,4 +66,4 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
     seed = seed_tensor(seed, x, "dropout")
     if p == 0:
         return x
-    return _dropout(x, seed, p=float(p))
+    return _dropout(x, seed, p=static_float(p))
