@@ -492,6 +492,27 @@ def test_fp32_activation_between_fp8_linears_is_bitwise_under_every_api(act):
             assert torch.equal(a, b), seed
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_a_separate_bias_op_keeps_the_unfused_bits_on_the_cpu(dtype):
+    # linear -> bias -> relu and linear -> bias -> + r: the CPU fused ops passed the bias to the GEMM
+    # (one rounding) where the unfused chain rounds the GEMM result first (differences up to 0.03).
+    gen = torch.Generator().manual_seed(4)
+    x, w, b, r = (draw(s, dtype, gen) for s in ((8, 32), (16, 32), (16,), (8, 16)))
+    for fn, rule in [
+        (lambda x, w, b, r: ops.relu(ops.bias(ops.linear(x, w), b)) + r, "forward_linear_bias_op_activation"),
+        (lambda x, w, b, r: ops.bias(ops.linear(x, w), b) + r, "forward_linear_bias_op_add"),
+    ]:
+        fused = functe.fuse(fn)
+        args = [t.clone().requires_grad_() for t in (x, w, b, r)]
+        with functe.use_backend("torch"):
+            got, want = fused(*args), fn(*args)
+            assert rule in fused.plan(*args).stats["forward"].fired
+            assert torch.equal(got, want)
+            ct = draw(got.shape, dtype, gen)
+            for a, e in zip(torch.autograd.grad(got, args, ct), torch.autograd.grad(want, args, ct)):
+                assert torch.equal(a, e)
+
+
 def test_vmap_of_value_and_grad_keeps_one_state_per_member():
     recipe = functe.DelayedScaling(amax_history_len=4)
     gen = torch.Generator().manual_seed(2)

@@ -413,3 +413,14 @@ def test_compiles_fullgraph_as_opaque_custom_ops():
     for c, e in zip(compiled, eager):
         assert torch.equal(c, e)
     assert torch.equal(r_compiled, r)  # compiled code never writes a donated buffer
+
+
+def test_a_strided_bias_is_read_by_its_strides():
+    # The epilogue loaded bias[0:N] from its storage: a bias of stride 2 gave [3, 4, 5, 6], not [3, 5, 7, 9].
+    x, w, bias = torch.ones(2, 3), torch.ones(4, 3), torch.arange(8.0)[::2]
+    want = x @ w.t() + bias
+    for backend in ("interpret", "torch"):
+        with functe.use_backend(backend):
+            assert torch.equal(G.GEMM(x, w, bias, None, 1.0, None), want), backend
+            y, z = G.GEMM_PREACT(x, w, bias, None, 1.0, "relu")
+            assert torch.equal(z, want) and torch.equal(y, want.relu()), backend

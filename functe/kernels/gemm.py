@@ -379,6 +379,8 @@ def run_gemm(
     """
     M, K = a.shape
     N = b.shape[1]
+    if bias is not None:
+        bias = bias.contiguous()  # the epilogue reads it as one contiguous row (a strided bias was misread)
     quant = q_scale is not None
     want_amax = amax or quant
     if M == 0 or N == 0:

@@ -36,7 +36,7 @@ from ..kernels.norm import LAYER_NORM_BWD_ADD, RMS_NORM_BWD_ADD
 from ..kernels.quantize import DACT_DBIAS
 from . import _activation as act
 from . import _norm as norm
-from ._core import _add_bwd, _bias, _bias_bwd, _linear_bwd, _linear_fwd, _scale_bwd, _scale_fwd
+from ._core import _add_bwd, _bias, _bias_bwd, _bias_fwd, _linear_bwd, _linear_fwd, _scale_bwd, _scale_fwd
 
 Tensor = torch.Tensor
 
@@ -81,8 +81,13 @@ def _forward_linear_add_fwd(x, weight, bias, extra, *, scale, bias_op):
     else:
         # With a bias, torch has no GEMM with both a bias and an accumulator: the bias epilogue
         # first, then one pass y = extra + s·h. That rounds h once, never more often than the
-        # unfused chain (rounding extra + s·b first instead could cancel where it does not).
-        y = torch.add(rows_view(extra), torch.addmm(bias, rows_view(x), weight.t()), alpha=s)
+        # unfused chain (rounding extra + s·b first instead could cancel where it does not). A
+        # separate bias op rounds the GEMM result before adding the bias, as unfused: the same bits.
+        if bias_op:
+            h = rows_view(_bias_fwd(torch.nn.functional.linear(x, weight), bias)[0])
+        else:
+            h = torch.addmm(bias, rows_view(x), weight.t())
+        y = torch.add(rows_view(extra), h, alpha=s)
     # Residuals of the covered ops: linear, [bias], [constant_scale], add_extra_input.
     return y.view(extra.shape), res
 
@@ -192,8 +197,12 @@ def _forward_linear_activation_fwd(x, weight, bias, *, activation, bias_op):
         # The GEMM epilogue: z = x·Wᵀ + b (stored: the activation's backward needs it), y = act(z).
         y, z = GEMM_PREACT(x, weight, bias, None, 1.0, activation)
     else:
-        # No epilogue on the CPU: the unfused linear's own BLAS call, then the activation kernel.
-        z = torch.nn.functional.linear(x, weight, bias)
+        # No epilogue on the CPU: the unfused ops' own calls (a separate bias op rounds the GEMM
+        # result first, as unfused), then the activation kernel: the same bits.
+        if bias_op:
+            z, _ = _bias_fwd(torch.nn.functional.linear(x, weight), bias)
+        else:
+            z = torch.nn.functional.linear(x, weight, bias)
         y, _ = act._activation.fwd(z, None, **_act_params(activation))
     lin = _linear_residuals(x, weight, bias is not None and not bias_op)
     # Residuals of the covered ops: linear, [bias], activation (its input z).
