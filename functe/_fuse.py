@@ -25,6 +25,7 @@ record the forward plan runs directly, without residuals.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -72,11 +73,14 @@ def _zeros_or(ct, meta) -> Tensor:
 
 
 def _is_literal(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, str)):
+    """Whether ``repr(value)`` is Python source for ``value`` itself (exact types: the repr of an
+    IntEnum or a numpy float is not, and an int subclass would come back as a plain int)."""
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
         return True
-    if isinstance(value, float):
+    if kind is float:
         return math.isfinite(value)
-    if isinstance(value, tuple):
+    if kind is tuple:
         return all(_is_literal(v) for v in value)
     return False
 
@@ -561,7 +565,8 @@ class Fused:
     def _lookup(self, args, kwargs) -> tuple[int, list[Tensor]]:
         """The plan index for these arguments (tracing on a new signature) and their tensor leaves."""
         leaves, spec = tree_flatten((args, kwargs))
-        tensors, key = [], [spec]
+        # (optree's spec equality ignores dict insertion order and 1 == 1.0 == True keys; fn may not)
+        tensors, key = [], [spec, _dict_keys((args, kwargs))]
         for x in leaves:  # (one pass: this is the cached call's main cost besides the ops)
             if isinstance(x, Tensor):
                 tensors.append(x)
@@ -592,6 +597,23 @@ class Fused:
 
     def __repr__(self):
         return f"fuse({self.__name__})"
+
+
+def _dict_keys(tree: Any) -> tuple:
+    """The keys of every dict in ``tree``'s containers, in insertion order and with their types."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            found.append(tuple((type(k), k) for k in node))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (tuple, list)):
+            for v in node:
+                walk(v)
+
+    walk(tree)
+    return tuple(found)
 
 
 def fuse(fn: Callable, *, recipe: Any = None, rules=None) -> Fused:
@@ -680,7 +702,9 @@ def _constant_key(tree: Any, tensors: list) -> Any:
     if isinstance(tree, (tuple, list)):
         return ("seq", type(tree), tuple(_constant_key(t, tensors) for t in tree))
     if isinstance(tree, dict):
-        return ("map", type(tree), tuple(tree.keys()), tuple(_constant_key(v, tensors) for v in tree.values()))
+        factory = tree.default_factory if isinstance(tree, collections.defaultdict) else None
+        values = tuple(_constant_key(v, tensors) for v in tree.values())
+        return ("map", type(tree), tuple(tree.keys()), values, factory)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         names = tuple(f.name for f in dataclasses.fields(tree))
         return ("dc", type(tree), names, tuple(_constant_key(getattr(tree, n), tensors) for n in names))
@@ -701,7 +725,8 @@ def _rebuild(key: Any) -> Any:
     if kind == "seq":
         return key[1](_rebuild(k) for k in key[2])
     if kind == "map":
-        return key[1](zip(key[2], (_rebuild(k) for k in key[3])))
+        items = zip(key[2], (_rebuild(k) for k in key[3]))
+        return key[1](key[4], items) if issubclass(key[1], collections.defaultdict) else key[1](items)
     if kind == "dc":
         obj = object.__new__(key[1])
         for name, k in zip(key[2], key[3]):

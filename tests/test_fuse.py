@@ -273,6 +273,48 @@ def test_a_new_signature_retraces_and_the_same_one_does_not():
     assert fused.trace_count == 5
 
 
+def test_dict_key_order_and_key_types_are_part_of_the_signature():
+    # optree's spec equality ignores both: the first plan was reused for {"b", "a"} and for {1.0: ..}.
+    def fn(d):
+        first, second = d.values()
+        return {k: 3.0 * v for k, v in d.items()}, first + -1.0 * second
+
+    fused = functe.fuse(fn)
+    x, y = make((2, 3)), make((2, 3))
+    for d in ({"a": x, "b": y}, {"b": y, "a": x}, {1: x, "z": y}, {1.0: x, "z": y}, {True: x, "z": y}):
+        got, want = fused(d), fn(d)
+        assert [(type(k), k) for k in got[0]] == [(type(k), k) for k in want[0]]
+        assert torch.equal(got[1], want[1])
+    assert fused.trace_count == 5
+
+
+def test_output_dict_keys_keep_their_exact_types():
+    # Spelled-out generated code wrote keys with repr(): an IntEnum key was a SyntaxError, a numpy
+    # float a NameError, and an int subclass came back as a plain int.
+    import enum
+
+    import numpy as np
+
+    class Key(enum.IntEnum):
+        A = 1
+
+    class MyInt(int):
+        pass
+
+    for key in (Key.A, np.float64(0.5), MyInt(3), "q'uo\"te", 7):
+        got = functe.fuse(lambda x, key=key: {key: ops.gelu(x)})(make((2,)))
+        assert [type(k) for k in got] == [type(key)] and list(got) == [key]
+
+
+def test_a_defaultdict_argument_under_compile():
+    import collections
+
+    fused = functe.fuse(lambda d: ops.gelu(d["x"]))
+    d = collections.defaultdict(list, {"x": make((2, 3))})
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fused, backend="eager")(d), ops.gelu(d["x"]))
+
+
 def test_dead_code_is_dropped_before_rewriting(capsys):
     # The dead linear -> scale chain matches backward_linear_scale; a match whose results nobody uses
     # has no outputs to define, so the plan drops dead equations first (found by a random-program fuzz).
