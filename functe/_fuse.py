@@ -308,9 +308,14 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
         em.emit(f"{''.join(f'{n}, ' for n in res_names.values())}= res")
     grads: dict[Var, str] = {}
     present: set[Var] = set()  # cotangents known not to be None
+    declare: list[str] = []  # grad variables first assigned inside a conditional step
 
-    def accumulate(v: Var, value: str, known: bool = False) -> None:
+    def accumulate(v: Var, value: str, known: bool = False, conditional: bool = False) -> None:
         if v in grads:
+            em.emit(f"{grads[v]} = _acc({grads[v]}, {value})")
+        elif conditional:
+            grads[v] = f"g{len(grads)}"
+            declare.append(grads[v])
             em.emit(f"{grads[v]} = _acc({grads[v]}, {value})")
         else:
             grads[v] = f"g{len(grads)}"
@@ -318,13 +323,22 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
         if known:
             present.add(v)
 
-    # The fused op materialises the output cotangents (symbolic_zeros=False): they are tensors.
+    # The fused op passes symbolic zeros: an unused output's cotangent is None (also a single
+    # output's, which autograd's undefined-gradient checks pass).
     if program.out_tree != LEAF:
         em.emit(f"cts = {em.leaves(program.out_tree, 'cts')}")
     for j, a in enumerate(program.outputs):
         if isinstance(a, Var) and a in live.needs:
-            accumulate(a, "cts" if program.out_tree == LEAF else f"cts[{j}]", known=True)
+            accumulate(a, "cts" if program.out_tree == LEAF else f"cts[{j}]")
     for e in live.live:
+        # A step none of whose output cotangents is known to exist runs only if one does (at run
+        # time: a structural None check, no data): autograd skips such a node, and an FP8 op's
+        # backward must not see zeros (it would roll its state as if reached).
+        reached = [grads[v] for v in e.outputs if v is not None and v in grads]
+        conditional = not any(v in present for v in e.outputs if v is not None)
+        outer, outer_declared = em.lines, len(declare)
+        if conditional:
+            em.lines = []
         items = []
         for v in e.outputs:
             if v is None:
@@ -347,12 +361,18 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
             if not wanted:
                 continue
             if child == LEAF:
-                accumulate(atoms[0], f"_c[{i}]")
+                accumulate(atoms[0], f"_c[{i}]", conditional=conditional)
             else:
                 em.emit(f"_t = _c[{i}]")
                 em.emit(f"_l = {(None,) * child.num_leaves!r} if _t is None else {em.leaves(child, '_t')}")
                 for k, a in wanted:
-                    accumulate(a, f"_l[{k}]")
+                    accumulate(a, f"_l[{k}]", conditional=conditional)
+        if conditional:
+            body, em.lines = em.lines, outer
+            for name in declare[outer_declared:]:
+                em.emit(f"{name} = None")
+            em.emit(f"if {' or '.join(f'{g} is not None' for g in reached) or 'False'}:")
+            em.lines.extend("    " + line for line in body)
     em.emit("return (" + "".join(f"{grads.get(v, 'None')}, " for v in program.inputs) + ")")
 
 
@@ -396,7 +416,9 @@ class Plan:
         namespace["_backward_op"] = custom_vjp(
             f"fused_{name}_bwd", _backward_fwd(backward), functools.partial(_backward_bwd, backward)
         )
-        self.op = custom_vjp(f"fused_{name}", namespace["forward"], namespace["bwd"])
+        # symbolic zeros: an output nobody uses has no cotangent, and the backward plan skips the
+        # steps that only it reaches (as autograd skips the unfused nodes; an FP8 state is kept).
+        self.op = custom_vjp(f"fused_{name}", namespace["forward"], namespace["bwd"], symbolic_zeros=True)
         self.eager = _eager_function(
             f"fused_{name}_eager", namespace["forward"], backward, namespace["_backward_op"], program.out_tree
         )
@@ -442,6 +464,7 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
     unchecked = [True]
 
     def fwd(ctx, *tensors):
+        ctx.set_materialize_grads(False)  # (an unused output's cotangent stays None: see Plan.op)
         if unchecked[0]:
             ctx.in_meta = [(t.shape, t.dtype) for t in tensors]
         out, res = forward(*tensors)
@@ -599,21 +622,25 @@ class Fused:
         return f"fuse({self.__name__})"
 
 
-def _dict_keys(tree: Any) -> tuple:
-    """The keys of every dict in ``tree``'s containers, in insertion order and with their types."""
-    found = []
+def _dict_keys(tree: tuple) -> tuple:
+    """The keys of every dict among ``tree``'s containers, in insertion order and with their types.
 
-    def walk(node):
-        if isinstance(node, dict):
-            found.append(tuple((type(k), k) for k in node))
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
+    (One ``isinstance`` per value: this runs on every cached call.)
+    """
+    found: list = []
+
+    def walk(node) -> None:
+        for value in node.values() if isinstance(node, dict) else node:
+            if isinstance(value, _CONTAINERS):
+                if isinstance(value, dict):
+                    found.append((tuple(value), tuple(map(type, value))))
+                walk(value)
 
     walk(tree)
     return tuple(found)
+
+
+_CONTAINERS = (dict, tuple, list)
 
 
 def fuse(fn: Callable, *, recipe: Any = None, rules=None) -> Fused:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ._backend import runs_triton
+from ._errors import TransformError
 
 Tensor = torch.Tensor
 
@@ -109,6 +110,8 @@ class Kernel:
             run, function = self.op, self.function
         elif type(first) is not Tensor or first.device.type != "cpu":
             return self.twin(*args)
+        elif not torch.is_grad_enabled() and not _transforms_active():
+            return self.twin(*args)  # nothing can record (the common path: backward rules, inference)
         else:
             run, function = self.twin, self.twin_function
         if torch.compiler.is_compiling():
@@ -135,6 +138,7 @@ def _needs_autograd(args: Sequence[Any]) -> bool:
 
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 def _float_positions(args: Sequence[Any]) -> list[int]:
@@ -161,6 +165,9 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
         return _fresh(out, args)
 
     def setup_context(ctx, inputs, output):
+        outs = output if isinstance(output, tuple) else (output,)
+        ctx.floating_outputs = [i for i, o in enumerate(outs) if isinstance(o, Tensor) and o.is_floating_point()]
+        ctx.n_outputs = len(outs)
         positions = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]
         ctx.positions = positions
         ctx.others = [None if isinstance(a, Tensor) else a for a in inputs]
@@ -175,6 +182,13 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     def backward(ctx, *grads):
         args = saved_args(ctx)
         diff = _float_positions(args)
+        if len(ctx.floating_outputs) != ctx.n_outputs:
+            # (an MXFP8 cast also returns uint8 scales: a quantizing kernel, reached only when a
+            # backward rule that used it is itself differentiated)
+            raise TransformError(
+                f"functe.{kernel.name}: a quantizing kernel has no derivative; differentiating a backward "
+                "rule that uses it (second order through a quantized linear) is not supported"
+            )
 
         def twin_of(*values):
             return twin(*_with(args, diff, values))
@@ -188,14 +202,17 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     def jvp(ctx, *tangents):
         args = saved_args(ctx)
         diff = _float_positions(args)
-        primals = tuple(args[i] for i in diff)
+        primals = tuple(dense(args[i]) for i in diff)
         tans = tuple(torch.zeros_like(p) if tangents[i] is None else tangents[i] for i, p in zip(diff, primals))
 
         def twin_of(*values):
             return twin(*_with(args, diff, values))
 
-        _, out_tangents = torch.func.jvp(twin_of, primals, tans)
-        return out_tangents
+        outputs, out_tangents = torch.func.jvp(twin_of, primals, tans)
+        if not isinstance(outputs, tuple):
+            return out_tangents
+        # (a non-floating output, such as an MXFP8 cast's uint8 scales, has no tangent)
+        return tuple(t if o.is_floating_point() else None for o, t in zip(outputs, out_tangents))
 
     def vmap(info, in_dims, *args):
         rule = kernel.batch
@@ -221,6 +238,14 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     }
     suffix = "kernel" if run is kernel.op else "twin"
     return type(f"{kernel.name}_{suffix}", (torch.autograd.Function,), methods)
+
+
+def dense(t: Tensor) -> Tensor:
+    """``t``, copied if its elements overlap in memory (an expanded cotangent, e.g. of ``.sum()``):
+    ``torch.func.jvp`` makes dual tensors of its primals, which an overlapping tensor cannot be."""
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def _fresh(value: Any, args: Sequence[Any]) -> Any:

@@ -48,6 +48,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from ._errors import ArgumentError, RuleError, TransformError, describe
+from ._kernel import dense
 from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 
 Tensor = torch.Tensor
@@ -338,7 +339,16 @@ class _HigherOrderGuard(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, name, anchor, *tensors):
-        return tuple(t.view_as(t) for t in tensors), tuple(in_dims[2:])
+        # The guard again at the unbatched level: a view here would let an outer grad level
+        # differentiate through (hessian, jacrev(jacrev) gave wrong values instead of raising).
+        return _HigherOrderGuard.apply(name, anchor, *tensors), tuple(in_dims[2:])
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise TransformError(
+            f"functe.{ctx.name}: forward-mode derivatives of its backward (jvp of grad) are not supported: "
+            "its backward rule uses intermediate results of the forward pass"
+        )
 
 
 def _guard(name: str, flat: list, anchor: Tensor) -> list:
@@ -461,7 +471,7 @@ def _make_function(
             torch.zeros_like(primals[k]) if tangents[1 + positions[k]] is None else tangents[1 + positions[k]]
             for k in diff
         )
-        _, out_tangents = torch.func.jvp(out_only, tuple(primals[k] for k in diff), tans)
+        _, out_tangents = torch.func.jvp(out_only, tuple(dense(primals[k]) for k in diff), tans)
         it = iter(out_tangents)
         result = [None if meta is None else next(it) for meta in ctx.out_meta]
         if not layout.n_new:

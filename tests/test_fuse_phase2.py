@@ -462,6 +462,36 @@ def test_states_come_back_through_the_gradient_exactly_as_unfused(backend, dtype
         assert_close(grads[key], grads_u[key], msg=key)  # (backward_add_norm rounds dx once: not bitwise)
 
 
+def test_a_returned_but_unused_fp8_output_keeps_its_state_as_unfused():
+    # The fused op materialised a zero cotangent for every output, so the side layer's backward ran
+    # with dy = 0 and reported its state as used: its input and weight states rolled (unfused: kept).
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    total = functe.opaque(torch.sum)
+
+    def model(p, s, x):
+        main = ops.fp8_linear(x, p["w"], None, s["main"], recipe=recipe)
+        side = ops.fp8_linear(x, p["w_side"], None, s["side"], recipe=recipe)
+        return main, side
+
+    fused = functe.fuse(model, recipe=recipe)
+    gen = torch.Generator().manual_seed(6)
+    p = {"w": draw((8, 16), torch.float32, gen), "w_side": draw((8, 16), torch.float32, gen)}
+    s = {k: functe.init_linear_scaling_state(recipe) for k in ("main", "side")}
+    x = draw((4, 16), torch.float32, gen)
+    results = [functe.value_and_grad(lambda p, s, x, f=f: total(f(p, s, x)[0]))(p, s, x) for f in (model, fused)]
+    (_, grads, states), (_, grads_f, states_f) = results
+    for a, b in zip(_leaves(states), _leaves(states_f)):
+        assert torch.equal(a, b)
+    assert torch.equal(grads["w"], grads_f["w"])
+    for a, b in zip(_leaves(states["side"]), _leaves(s["side"])):
+        assert torch.equal(a, b)  # never reached: kept
+    assert grads_f["w_side"] is None or not grads_f["w_side"].any()
+    tracked = {k: v.clone().requires_grad_() for k, v in p.items()}
+    main, _ = fused(tracked, s, x)
+    (g,) = torch.autograd.grad(main.sum(), [tracked["w"]])  # plain autograd: the side output unused
+    assert torch.equal(g, grads_f["w"])
+
+
 @pytest.mark.parametrize("act", ["silu", "qgelu"])
 def test_fp32_activation_between_fp8_linears_is_bitwise_under_every_api(act):
     # fp8_linear -> act -> fp8_linear in fp32: the fused dact+dbias(+cast) backward, the unfused ops

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import grad, jacfwd, jvp, vmap
+from torch.func import grad, jacfwd, jacrev, jvp, vmap
 
 import functe
+from functe import ops
 from functe.testing import assert_close
 
 F64 = torch.float64
@@ -103,6 +104,54 @@ def test_intermediate_residuals_first_order_exact_second_order_refused():
     with pytest.raises(functe.TransformError, match=msg):
         g.sum().backward()
     assert torch.autograd.gradcheck(xmean, (xr,))
+
+
+def test_second_order_through_vmap_and_forward_mode_is_refused_too():
+    # The guard's vmap rule returned a plain view, so hessian / jacrev(jacrev) (a vmap between the
+    # two backward passes) returned wrong values; jvp(grad) raised torch's NotImplementedError.
+    x = torch.randn(5, dtype=F64)
+    f = lambda x: torch.sin(xmean(x)).sum()
+    msg = r"functe\.xmean: (second-order|forward-mode) derivatives"
+    for transform in (torch.func.hessian, lambda g: jacrev(jacrev(g)), lambda g: torch.func.jacfwd(jacrev(g))):
+        with pytest.raises(functe.TransformError, match=msg):
+            transform(f)(x)
+    with pytest.raises(functe.TransformError, match=msg):
+        jvp(grad(f), (x,), (torch.ones_like(x),))
+
+
+fused_linear = functe.fuse(lambda x, w: ops.linear(x, w))
+
+
+@pytest.mark.parametrize("name", ["silu", "rms_norm", "fused linear"])
+def test_forward_over_reverse_with_a_plain_sum_loss(name):
+    # The cotangent of .sum() is an expanded tensor; jvp made a dual of it and failed ("more than one
+    # element of the written-to tensor refers to a single memory location").
+    x = torch.randn(3, 4, dtype=F64)
+    w = torch.randn(5, 4, dtype=F64)
+    functe_fn, torch_fn = {
+        "silu": (ops.silu, torch.nn.functional.silu),
+        "rms_norm": (
+            lambda x: ops.rms_norm(x, torch.ones(4, dtype=F64)),
+            lambda x: torch.nn.functional.rms_norm(x, (4,), eps=1e-5),
+        ),
+        # (w an argument: a captured tensor would be an intermediate residual, refused in second order)
+        "fused linear": (lambda x: fused_linear(x, w), lambda x: x @ w.t()),
+    }[name]
+    t = torch.randn_like(x)
+    got = jvp(grad(lambda x: functe_fn(x).sum()), (x,), (t,))[1]
+    want = jvp(grad(lambda x: torch_fn(x).sum()), (x,), (t,))[1]
+    assert_close(got, want)
+
+
+def test_mxfp8_linear_forward_mode_works_and_second_order_is_refused():
+    # The cast's uint8 scales got a tangent (jvp failed) and a raw vjp error in second order.
+    recipe = functe.MXFP8BlockScaling()
+    x, w = torch.randn(4, 32), torch.randn(8, 32)
+    y, ty = jvp(lambda x: ops.fp8_linear(x, w, None, None, recipe=recipe), (x,), (torch.ones_like(x),))
+    assert ty.shape == y.shape and ty.isfinite().all()
+    loss = lambda x: ops.fp8_linear(x, w, None, None, recipe=recipe).pow(2).sum()
+    with pytest.raises(functe.TransformError, match=r"functe\.mxfp8_cast: a quantizing kernel has no derivative"):
+        grad(lambda x: grad(loss)(x).sum())(x)
 
 
 def test_second_order_refused_when_the_cotangent_is_a_constant():

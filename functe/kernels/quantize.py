@@ -301,7 +301,8 @@ def amax_ref(v: Tensor) -> Tensor:
     if v.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=v.device)
     lo, hi = torch.aminmax(v)  # one pass, no |v| temporary; propagates NaN
-    return torch.maximum(-lo, hi).to(torch.float32)
+    # (abs: for an all-zero v, max(-0.0, +0.0) may be -0.0; the kernels' |v| gives +0.0)
+    return torch.maximum(-lo, hi).abs().to(torch.float32)
 
 
 def _chunkable(*tensors: Tensor) -> bool:
