@@ -194,3 +194,19 @@ def test_a_backward_rule_returning_a_wrong_gradient_is_caught_on_every_path(bad)
         torch.func.grad(lambda *a: fused(*a).sum(), argnums=(0, 1, 2))(*_ARGS)
     with pytest.raises(functe.RuleError, match=msg):
         check(rule, _ARGS, fn=_program)
+
+
+def test_a_non_float_state_leaf_through_value_and_grad_names_the_leaf():
+    # torch.func refused it first with "only Tensors of floating point dtype can require gradients".
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    s = functe.init_linear_scaling_state(recipe)
+    bad = functe.LinearScalingState(
+        input=functe.ScalingState(torch.ones((), dtype=torch.int32), torch.zeros(4)),
+        weight=s.weight,
+        grad_output=s.grad_output,
+    )
+    loss = lambda w, st, x: ops.fp8_linear(x, w, None, st, recipe=recipe).sum()
+    with pytest.raises(
+        functe.StateError, match=r"value_and_grad: state leaf 'input\.scale' expected a float32 .* i32\[\]"
+    ):
+        functe.value_and_grad(loss)(make((8, 16)), bad, make((4, 16)))
