@@ -171,9 +171,14 @@ def as_cotangent(new: ScalingState, uses: Tensor | float = 1.0) -> ScalingState:
 
 def _next_state(old: ScalingState, ct: ScalingState | None) -> tuple[ScalingState, Tensor | None]:
     """(next state, use count) from one state and its cotangent, without host synchronisation."""
-    if ct is None or ct.amax_history is None or ct.scale is None:
+    if ct is None or ct.amax_history is None:
         return old, None
     uses = ct.amax_history[..., 0]
+    # A used state whose scale cotangent is 0 (or missing) had its scale leaf cut off on the way
+    # (``scale.detach()``, a replaced scale): a new scale is never 0, so this counts as a bad use.
+    scale_ct = torch.zeros_like(old.scale) if ct.scale is None else ct.scale
+    uses = torch.where((uses == 1) & (scale_ct == 0), torch.full_like(uses, -1.0), uses)
+    ct = ScalingState(scale=scale_ct, amax_history=ct.amax_history)
     history = torch.cat([torch.zeros_like(ct.amax_history[..., :1]), ct.amax_history[..., 1:]], -1)
     keep, take = uses == 0, uses == 1
     nan = torch.full_like(ct.scale, float("nan"))

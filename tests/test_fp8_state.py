@@ -216,3 +216,20 @@ def test_share_state_errors():
     recipe = DelayedScaling(amax_history_len=2)
     with pytest.raises(functe.StateError, match=r"n must be an int >= 1, got 0"):
         functe.share_state(functe.init_linear_scaling_state(recipe), 0, recipe=recipe)
+
+
+def test_a_detached_scale_leaf_is_a_bad_use():
+    # Only amax_history carried the use count: scale.detach() gave a next scale of 0.0 silently.
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    x, w = torch.randn(4, 16), torch.randn(16, 16) / 4
+
+    def loss(p, s, x):
+        cut = functe.ScalingState(s.input.scale.detach(), s.input.amax_history)
+        s = functe.LinearScalingState(input=cut, weight=s.weight, grad_output=s.grad_output)
+        return functe.ops.fp8_linear(x, p, None, s, recipe=recipe).square().mean()
+
+    state = functe.init_linear_scaling_state(recipe)
+    with pytest.raises(functe.StateError, match=r"state\.input .* reached its op through another op"):
+        functe.value_and_grad(loss)(w, state, x)
+    _, _, unchecked = functe.value_and_grad(loss, check=False)(w, state, x)
+    assert unchecked.input.scale.isnan() and unchecked.weight.scale.isfinite()
