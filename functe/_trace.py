@@ -34,10 +34,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import _vjp
 from ._backend import use_backend
-from ._errors import FuncteError, RuleError, TraceError, describe
+from ._errors import ArgumentError, FuncteError, RuleError, TraceError, describe
 from ._oplist import Eqn, Literal, OpList, Var
 from ._tree import tree_flatten, tree_unflatten
 from ._vjp import CustomVJP, custom_vjp
@@ -226,6 +227,13 @@ def _meta(atom) -> Any:
     return atom.value
 
 
+def _fake(atom) -> Any:
+    """Inside a FakeTensorMode: a fake tensor on the var's own device, or the literal's value."""
+    if isinstance(atom, Var):
+        return torch.empty(atom.shape, dtype=atom.dtype, device=atom.device)
+    return atom.value
+
+
 def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, Any]:
     """Run ``op``'s forward rule on meta tensors standing for ``inputs``; return ``(out, residuals)``.
 
@@ -239,10 +247,19 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
     except FuncteError:
         raise
     except Exception as e:
-        raise TraceError(
-            f"functe.trace: cannot infer the output shapes of {op.name} by running its forward rule on "
-            f"shape-only (meta) tensors; is it data-dependent? ({type(e).__name__}: {e})"
-        ) from e
+        try:
+            # Fake tensors on the real device: a function that uses a tensor it captured (an opaque
+            # function's constant) cannot mix it with meta tensors, but can with fake ones.
+            with _recording(None), use_backend("torch"), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+                args = tree_unflatten(in_tree, [_fake(a) for a in inputs])
+                result = op.fwd(*args, **params)
+        except FuncteError:
+            raise
+        except Exception:
+            raise TraceError(
+                f"functe.trace: cannot infer the output shapes of {op.name} by running its forward rule on "
+                f"shape-only (meta) tensors; is it data-dependent? ({type(e).__name__}: {e})"
+            ) from e
     if not (isinstance(result, tuple) and len(result) == 2):
         raise RuleError(f"functe.{op.name}: the forward rule must return (out, residuals), got {describe(result)}")
     return result
@@ -365,8 +382,44 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         def fwd(*args, **static):
             return fn(*args, **static), args
 
-        op = table[key] = custom_vjp(label, fwd, functools.partial(vjp_call, fn))
+        def bwd(args, ct, **static):
+            _refuse_captured_grads(fn, label)
+            return vjp_call(fn, args, ct, **static)
+
+        op = table[key] = custom_vjp(label, fwd, bwd)
     return op
+
+
+def _refuse_captured_grads(fn: Callable, label: str) -> None:
+    """Raise if ``fn`` uses a tensor (or a module's parameter) that requires grad without taking it as
+    an argument: the opaque op differentiates its arguments only, so that gradient would be lost.
+
+    Looks at what a plain function can reach by name: its closure, defaults and the globals its code
+    names (one level deep, at backward time).
+    """
+    if not isinstance(fn, types.FunctionType):
+        return
+    code = fn.__code__
+    values = [c.cell_contents for c in fn.__closure__ or () if _cell_filled(c)]
+    values += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+    values += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
+    for v in values:
+        if (isinstance(v, Tensor) and v.requires_grad) or (
+            isinstance(v, torch.nn.Module) and any(p.requires_grad for p in v.parameters())
+        ):
+            raise ArgumentError(
+                f"functe.{label}: the function uses {describe(v) if isinstance(v, Tensor) else type(v).__name__} "
+                "that requires grad without taking it as an argument; the opaque op differentiates its "
+                "arguments only, so that gradient would be lost: pass it as an argument"
+            )
+
+
+def _cell_filled(cell) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # (a cell not yet assigned)
+        return False
+    return True
 
 
 def vjp_call(fn: Callable, args: tuple, ct: Any, **static) -> tuple:

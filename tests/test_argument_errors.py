@@ -210,3 +210,40 @@ def test_a_non_float_state_leaf_through_value_and_grad_names_the_leaf():
         functe.StateError, match=r"value_and_grad: state leaf 'input\.scale' expected a float32 .* i32\[\]"
     ):
         functe.value_and_grad(loss)(make((8, 16)), bad, make((4, 16)))
+
+
+def test_an_opaque_function_that_loses_a_captured_gradient_raises():
+    # The opaque op differentiates its arguments only: q.grad stayed None without a word.
+    q = make((4,)).requires_grad_()
+    op = functe.opaque(lambda x: x * q)
+    x = make((3, 4)).requires_grad_()
+    with pytest.raises(
+        functe.ArgumentError, match=r"uses f32\[4\] that requires grad without taking it as an argument"
+    ):
+        op(x).sum().backward()
+    module = torch.nn.Linear(4, 2)
+    with pytest.raises(functe.ArgumentError, match=r"uses Linear that requires grad"):
+        functe.opaque(lambda x: module(x))(x).sum().backward()
+
+
+def test_an_opaque_function_with_a_captured_constant_traces():
+    # Shape inference ran it on meta tensors, which a captured CPU tensor cannot mix with.
+    p = make((4,))
+    op = functe.opaque(lambda x: x * p)
+    x = make((3, 4))
+    assert torch.equal(functe.fuse(lambda x: op(x))(x), x * p)
+
+
+def test_a_rule_may_pass_none_for_an_absent_input():
+    # m.fuse(op, [m["x"], m["w"], None]) failed in shape inference with an AttributeError.
+    tl = functe.custom_vjp(
+        "tanh_linear",
+        lambda x, w, b: (torch.tanh(F.linear(x, w, b)), (x, w)),
+        lambda r, dy: (lambda x, w: ((g := dy * (1 - torch.tanh(F.linear(x, w)) ** 2)) @ w, g.t() @ x, None))(*r),
+    )
+    tanh = functe.opaque(torch.tanh)
+    rule = Rule(
+        "tanh_linear_nobias", "joint", Pattern(tanh, Pattern(_core._linear, "x", "w", None)),
+        rewrite=lambda m: m.fuse(tl, [m["x"], m["w"], None]),
+    )  # fmt: skip
+    check(rule, (make((3, 4)), make((5, 4))), fn=lambda x, w: tanh(ops.linear(x, w)))

@@ -135,9 +135,17 @@ class Match:
     def fuse(self, op, inputs: Sequence[Any], outputs: Sequence[Var] | None = None, **params) -> Eqn:
         """The fused equation ``outputs = op(*inputs, **params)`` (outputs default to ``self.outputs``).
 
-        ``inputs`` are atoms, or pytrees of atoms for pytree arguments (from :meth:`args`).
+        ``inputs`` are atoms, or pytrees of atoms for pytree arguments (from :meth:`args`); a plain
+        ``None`` (an absent bias) is the literal ``None``.
         """
         leaves, in_tree = tree_flatten(tuple(inputs))
+        leaves = [Literal(None) if leaf is None else leaf for leaf in leaves]
+        for leaf in leaves:
+            if not isinstance(leaf, (Var, Literal)):
+                raise RuleError(
+                    f"Match.fuse: inputs must be atoms of the op list (m['name'], m.args(...)) or None, got "
+                    f"{describe(leaf)}"
+                )
         return Eqn(op, leaves, self.outputs if outputs is None else outputs, params, in_tree=in_tree)
 
 
