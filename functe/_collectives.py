@@ -149,13 +149,18 @@ def _skip_check(x: Tensor) -> bool:
     return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _check(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> None:
-    """Raise on every rank if the ranks are about to run different collectives or shapes."""
-    sig = _signature(kind, x, dim, op)
-    mine = torch.tensor(sig, dtype=torch.int64, device=x.device)
+def _from_every_rank(values: list[int], device: torch.device, group: Group) -> list[list[int]]:
+    """Every rank's ``values`` (int64, same length on every rank), in rank order: one all-gather and
+    the host synchronisation of a cross-rank check."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
     c10d = torch.ops._c10d_functional
     rows = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, group.size, group.name))
-    rows = rows.view(group.size, len(sig)).tolist()  # the host synchronisation
+    return rows.view(group.size, len(values)).tolist()
+
+
+def _check(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> None:
+    """Raise on every rank if the ranks are about to run different collectives or shapes."""
+    rows = _from_every_rank(_signature(kind, x, dim, op), x.device, group)
     if all(row == rows[0] for row in rows):
         return
     listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
@@ -172,9 +177,7 @@ def check_same_layout(layout: str, like: Tensor, group: Group, who: str) -> None
     structure, shapes and dtypes): a flat buffer of one size can hide different layouts."""
     if group.size == 1 or _skip_check(like):
         return
-    mine = torch.tensor([zlib.crc32(layout.encode())], dtype=torch.int64, device=like.device)
-    c10d = torch.ops._c10d_functional
-    sums = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, group.size, group.name)).tolist()
+    sums = [row[0] for row in _from_every_rank([zlib.crc32(layout.encode())], like.device, group)]
     if len(set(sums)) > 1:
         listing = ", ".join(f"rank {r}: {c:08x}" for r, c in enumerate(sums))
         raise ShapeError(

@@ -33,11 +33,10 @@ from ._recipe import CurrentScaling, DelayedScaling, Recipe
 from ._state import ScalingState, check_scaling_state, init_scaling_state
 from ._tree import NAMESPACE, pytree_dataclass, tree_unflatten
 from ._vjp import custom_vjp
+from .kernels._fp8_cast import FLT_MAX
 from .kernels._fp8_cast import current_scale as scale_for_amax
 
 Tensor = torch.Tensor
-
-FLT_MAX = torch.finfo(torch.float32).max
 
 
 @pytree_dataclass

@@ -39,11 +39,11 @@ import optree
 import torch
 
 from . import _trace
-from ._errors import RuleError, TraceError, describe, describe_shape
+from ._errors import TraceError, describe
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._trace import trace_call, vjp_call
-from ._tree import is_pytree_dataclass, tree_flatten, tree_leaves, tree_unflatten
-from ._vjp import _guard, _refuse_compiled_transforms, custom_vjp, higher_order_anchor
+from ._tree import is_pytree_dataclass, rebuild_dataclass, tree_flatten, tree_leaves, tree_unflatten
+from ._vjp import _guard, _refuse_compiled_transforms, check_gradients, custom_vjp, higher_order_anchor
 
 Tensor = torch.Tensor
 
@@ -96,7 +96,7 @@ class _Emitter:
             "_zeros_or": _zeros_or,
             "_leaves": tree_leaves,
             "_unflatten": tree_unflatten,
-            "_dataclass": _dataclass,
+            "_dataclass": rebuild_dataclass,
         }
         self._by_id: dict[int, str] = {}
         self.lines: list[str] = []
@@ -181,7 +181,8 @@ class _Emitter:
             return "{" + ", ".join(f"{self.literal(k)}: {by_key[k]}" for k in order) + "}"
         if kind == optree.PyTreeKind.NAMEDTUPLE:
             return f"{self.glob(tree.type, 't')}({', '.join(parts)})"
-        return f"_dataclass({self.glob(tree.type, 't')}, ({''.join(p + ', ' for p in parts)}))"
+        names = self.literal(tree.type.__functe_pytree_fields__)
+        return f"_dataclass({self.glob(tree.type, 't')}, {names}, ({''.join(p + ', ' for p in parts)}))"
 
     def leaves(self, tree, value: str) -> str:
         """A Python expression for the leaves of ``value`` (of structure ``tree``), as a tuple."""
@@ -204,14 +205,6 @@ def _spelled_out(tree) -> bool:
         or (kind == optree.PyTreeKind.CUSTOM and is_pytree_dataclass(tree.type))
     )
     return ok and all(_spelled_out(c) for c in tree.children())
-
-
-def _dataclass(cls, kids: tuple):
-    """A functe.pytree_dataclass instance from its fields in order (as its pytree rebuild: no __init__)."""
-    obj = object.__new__(cls)
-    for name, v in zip(cls.__functe_pytree_fields__, kids):
-        object.__setattr__(obj, name, v)
-    return obj
 
 
 def _is_float_var(a) -> bool:
@@ -491,7 +484,8 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
             grads_in = list(backward_op(res, cts))
             grads_in = tuple(_guard(name, grads_in, next(saved))) if n_new else tuple(grads_in)
         if unchecked[0]:
-            _check_gradients(name, grads_in, ctx.in_meta)
+            hint = " (a fusion rule's backward is wrong: functe.rules.check tests a rule)"
+            check_gradients(name, grads_in, ctx.in_meta, hint)
             unchecked[0] = False
         return grads_in
 
@@ -517,15 +511,6 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
         return tree_unflatten(out_tree, list(apply(*tensors)[:n_out]))
 
     return call
-
-
-def _check_gradients(name: str, grads, in_meta: list) -> None:
-    for i, (g, (shape, dtype)) in enumerate(zip(grads, in_meta)):
-        if g is not None and not (isinstance(g, Tensor) and g.shape == shape and g.dtype == dtype):
-            raise RuleError(
-                f"functe.{name}: the backward plan returned {describe(g)} as the gradient of input {i}, expected "
-                f"{describe_shape(dtype, shape)} (a backward rule's gradient is wrong: functe.rules.check tests a rule)"
-            )
 
 
 def _backward_fwd(backward: Callable) -> Callable:
@@ -755,10 +740,7 @@ def _rebuild(key: Any) -> Any:
         items = zip(key[2], (_rebuild(k) for k in key[3]))
         return key[1](key[4], items) if issubclass(key[1], collections.defaultdict) else key[1](items)
     if kind == "dc":
-        obj = object.__new__(key[1])
-        for name, k in zip(key[2], key[3]):
-            object.__setattr__(obj, name, _rebuild(k))
-        return obj
+        return rebuild_dataclass(key[1], key[2], [_rebuild(k) for k in key[3]])
     return float.fromhex(key[1]) if kind == "F" else key[1]
 
 

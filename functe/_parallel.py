@@ -39,7 +39,7 @@ import dataclasses
 import torch
 
 from ._collectives import SINGLE, Group, collective, meet_before_raising, resolve_group
-from ._errors import ArgumentError, ShapeError, describe
+from ._errors import ArgumentError, ShapeError, check_flag, describe
 from ._fp8_state import current_scale
 from ._quantize import cast
 from ._recipe import DelayedScaling, Recipe
@@ -113,8 +113,7 @@ def linear_parallelism(
         raise ArgumentError(
             f"functe.{op}: argument 'tensor_parallel_mode' expected None, 'column' or 'row', got {mode!r}"
         )
-    if not isinstance(sequence_parallel, bool):
-        raise ArgumentError(f"functe.{op}: argument 'sequence_parallel' expected a bool, got {sequence_parallel!r}")
+    check_flag(op, "sequence_parallel", sequence_parallel)
     if mode is None and (sequence_parallel or group is not None):
         raise ArgumentError(
             f"functe.{op}: 'sequence_parallel' and 'group' apply to a tensor-parallel linear; "

@@ -234,6 +234,14 @@ def _fake(atom) -> Any:
     return atom.value
 
 
+def _run_forward_rule(op, inputs, params: dict[str, Any], in_tree, *, fake: bool) -> Any:
+    """``op``'s forward rule on shape-only stand-ins: meta tensors, or fake ones on the real device."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with _recording(None), use_backend("torch"), torch.no_grad(), mode:
+        args = tree_unflatten(in_tree, [(_fake if fake else _meta)(a) for a in inputs])
+        return op.fwd(*args, **params)
+
+
 def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, Any]:
     """Run ``op``'s forward rule on meta tensors standing for ``inputs``; return ``(out, residuals)``.
 
@@ -241,18 +249,14 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
     whatever the backend, and no trace records the nested calls.
     """
     try:
-        with _recording(None), use_backend("torch"), torch.no_grad():
-            args = tree_unflatten(in_tree, [_meta(a) for a in inputs])
-            result = op.fwd(*args, **params)
+        result = _run_forward_rule(op, inputs, params, in_tree, fake=False)
     except FuncteError:
         raise
     except Exception as e:
         try:
             # Fake tensors on the real device: a function that uses a tensor it captured (an opaque
             # function's constant) cannot mix it with meta tensors, but can with fake ones.
-            with _recording(None), use_backend("torch"), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-                args = tree_unflatten(in_tree, [_fake(a) for a in inputs])
-                result = op.fwd(*args, **params)
+            result = _run_forward_rule(op, inputs, params, in_tree, fake=True)
         except FuncteError:
             raise
         except Exception:

@@ -16,6 +16,7 @@ from typing import Any
 import optree
 import torch
 
+from ._checkpoint import _key
 from ._errors import StateError, describe
 from ._fp8_state import state_from_gradient
 from ._tree import NAMESPACE, tree_flatten, tree_unflatten
@@ -62,7 +63,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
             if not t.is_floating_point():  # (torch.func would refuse it with a message naming nothing)
                 path = optree.tree_paths(state, none_is_leaf=True, namespace=NAMESPACE)[i]
                 raise StateError(
-                    f"functe.value_and_grad: state leaf {'.'.join(map(str, path))!r} expected a float32 "
+                    f"functe.value_and_grad: state leaf {_key(path)!r} expected a float32 "
                     f"tensor (states travel back through the gradient), got {describe(t)}"
                 )
         grads, value = torch.func.grad_and_value(with_state, argnums=(0, 1), has_aux=has_aux)(params, tensors)

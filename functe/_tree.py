@@ -98,12 +98,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         return tuple(getattr(obj, n) for n in names)
 
     def rebuild(_aux, kids):
-        # object.__new__ + setattr skips __init__/__post_init__: torch.func builds
-        # instances whose leaves are ints (vmap in_dims) or None (missing grads).
-        obj = object.__new__(cls)
-        for n, v in zip(names, kids):
-            object.__setattr__(obj, n, v)
-        return obj
+        return rebuild_dataclass(cls, names, kids)
 
     optree.register_pytree_node(
         cls,
@@ -122,6 +117,19 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         ),
     )
     return cls
+
+
+def rebuild_dataclass(cls: type[T], names: tuple[str, ...], values) -> T:
+    """A (frozen) dataclass instance with ``names`` set to ``values``, without ``__init__``.
+
+    object.__new__ + setattr skips __init__/__post_init__: torch.func builds
+    pytree_dataclass instances whose leaves are ints (vmap in_dims) or None
+    (missing grads), and functe.fuse rebuilds the ones it traced.
+    """
+    obj = object.__new__(cls)
+    for n, v in zip(names, values):
+        object.__setattr__(obj, n, v)
+    return obj
 
 
 def is_pytree_dataclass(cls) -> bool:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from ._errors import ArgumentError, RuleError, TransformError, describe
+from ._errors import ArgumentError, RuleError, TransformError, describe, describe_shape
 from ._kernel import dense
 from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 
@@ -383,15 +383,23 @@ def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list
                 f"expected the argument's structure {tree}"
             )
         flat.extend(ct_leaves)
-    for index, (ct, meta) in enumerate(zip(flat, in_meta)):
+    check_gradients(name, flat, in_meta)
+    return flat
+
+
+def check_gradients(name: str, grads, in_meta: list, hint: str = "") -> None:
+    """Every non-None gradient has its input's ``(shape, dtype)`` (``in_meta``; ``None`` for a
+    non-tensor input, which takes no gradient), else a :class:`functe.RuleError` (autograd would
+    silently sum a ``[1,N]`` gradient to ``[N]``, or cast it)."""
+    for index, (ct, meta) in enumerate(zip(grads, in_meta)):
         if ct is None:
             continue
         if meta is None or not isinstance(ct, Tensor) or ct.shape != meta[0] or ct.dtype != meta[1]:
-            expected = "None" if meta is None else describe(torch.empty(meta[0], dtype=meta[1], device="meta"))
+            expected = "None" if meta is None else describe_shape(meta[1], meta[0])
             raise RuleError(
-                f"functe.{name}: the backward rule returned {describe(ct)} for input leaf {index}, expected {expected}"
+                f"functe.{name}: the backward rule returned {describe(ct)} for input leaf {index}, expected "
+                f"{expected}{hint}"
             )
-    return flat
 
 
 def _make_function(

@@ -592,24 +592,17 @@ def _layer_norm_bwd_fast(dy, x, mean, rstd, weight, zero_centered, accum=None):
     # A β argument only makes the kernel return dβ (its values never enter the backward): γ stands in,
     # saving a zeros allocation per call.
     beta = gamma
-    if rows.numel() <= CHUNK_ELEMENTS:  # one call on x − mean (see the docstring)
+    small = rows.numel() <= CHUNK_ELEMENTS
+    if small or x.dtype == acc:  # one call: on x − mean with a zero mean when small (see the docstring)
+        xs, ms = (torch.sub(rows, mean), torch.zeros_like(mean)) if small else (rows, mean)
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            as_dtype(dy_rows, acc), torch.sub(rows, mean), [n], torch.zeros_like(mean), rstd, gamma,
-            beta, [True, True, True],
-        )  # fmt: skip
-        if acc_rows is not None:
-            dx = dx.add_(acc_rows)
-        return as_dtype(dx, x.dtype).view(x.shape), as_dtype(dw, weight.dtype), as_dtype(db, x.dtype)
-    if x.dtype == acc:
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy_rows, rows, [n], mean, rstd, gamma, beta, [True, True, True]
+            as_dtype(dy_rows, acc), xs, [n], ms, rstd, gamma, beta, [True, True, True]
         )
         if acc_rows is not None:
             dx = dx.add_(acc_rows)
         return as_dtype(dx, x.dtype).view(x.shape), as_dtype(dw, weight.dtype), as_dtype(db, x.dtype)
     dx = torch.empty_like(rows)
     dw_parts, db_parts = {}, {}
-
     zero_mean = torch.zeros_like(mean)
 
     def body(i, sl, buf):

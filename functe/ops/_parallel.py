@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._collectives import collective, resolve_group
-from .._errors import ArgumentError, check_tensor, describe, shape_error
+from .._errors import check_flag, check_tensor, shape_error
 from .._vjp import custom_vjp
 
 if TYPE_CHECKING:
@@ -138,10 +138,7 @@ def all_reduce(x: Tensor, *, group: ProcessGroup | None = None, reduce_in_backwa
         [1.0, 2.0]
     """
     check_tensor("all_reduce", "x", x)
-    if not isinstance(reduce_in_backward, bool):
-        raise ArgumentError(
-            f"functe.all_reduce: argument 'reduce_in_backward' expected a bool, got {describe(reduce_in_backward)}"
-        )
+    check_flag("all_reduce", "reduce_in_backward", reduce_in_backward)
     g = resolve_group("all_reduce", group)
     if g.size == 1:
         return x
