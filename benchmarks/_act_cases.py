@@ -284,11 +284,16 @@ def main(cases, description: str):
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compiles take seconds)")
     parser.add_argument("--func", action="store_true", help="CPU: time forward+backward through torch.func.vjp")
     opts = parser.parse_args()
+    unknown = sorted(set(opts.ops or ()) - {c.name for c in cases})
+    if unknown:
+        parser.error(f"unknown --ops {unknown}; choose from {[c.name for c in cases]}")
     selected = [c for c in cases if not opts.ops or c.name in opts.ops]
     dtypes = [getattr(torch, d) for d in (opts.dtype or ["float32", "bfloat16"])]
     print(machine(), flush=True)
     if torch.cuda.is_available():
-        print(run_gpu(selected, (opts.rows, 8192), torch.bfloat16, reps=max(opts.reps, 20)))
+        # (the GPU table: bf16 at rows x 8192, forward + backward through autograd)
+        reps = max(opts.reps, 20)
+        print(run_gpu(selected, (opts.rows, 8192), torch.bfloat16, reps=reps, compile_=not opts.no_compile))
     print(
         run_cpu(selected, (opts.rows, opts.cols), dtypes, reps=opts.reps, compile_=not opts.no_compile, func=opts.func)
     )

@@ -163,7 +163,8 @@ def main() -> None:
     n = 1024 if args.small else 4096
     reps = 5
     print(machine())
-    print("(best of 5 interleaved rounds per case)")
+    print(f"(best of interleaved rounds per case: {reps} for the linear and the GEMM emulation, 3 for the CPU-time")
+    print(f"table, {reps + 2} for quantize)")
     print()
     print(bench_linear(n, "cpu", reps))
     print()

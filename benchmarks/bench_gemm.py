@@ -17,7 +17,8 @@ cuBLAS bf16 8192³ throughput. Goals (issue 6): fused >= 1.1x addmm+GELU and
 CPU: a small smoke run of the same comparisons (functe's twins on CPU vs torch
 eager vs torch.compile's default mode), so the script is exercised everywhere.
 
-Run: ``python -m benchmarks.bench_gemm`` (``--quick`` for fewer shapes).
+Run: ``python -m benchmarks.bench_gemm`` (``--quick``: fewer GPU shapes; the CPU run has two small
+shapes either way).
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def bench_fp8(peak: float | None) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--quick", action="store_true", help="fewer GPU shapes (the CPU cases are small already)")
     quick = parser.parse_args().quick
     print(machine())
     text, peak = bench_linear_gelu(quick)

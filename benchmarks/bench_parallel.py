@@ -113,7 +113,11 @@ def mlp_torch(x, p, sp: bool):
     x_in = _GatherFromSP.apply(x) if sp else _CopyToTP.apply(x)
     h = F.gelu(F.linear(x_in, p["w1"], p["b1"]), approximate="tanh")
     partial = F.linear(h, p["w2"])
-    return (_ScatterToSP.apply(partial) if sp else _ReduceFromTP.apply(partial)) + p["b2"]
+    if not sp:
+        return _ReduceFromTP.apply(partial) + p["b2"]
+    # The replicated bias meets a sequence shard: its gradient is a rank-local sum, all-reduced
+    # (Megatron's sequence-parallel gradient all-reduce; functe's row linear does the same).
+    return _ScatterToSP.apply(partial) + _CopyToTP.apply(p["b2"])
 
 
 def mlp_functe(x, p, sp: bool):

@@ -23,6 +23,10 @@ SCRIPTS = [
 
 
 def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        print(f"benchmarks: {', '.join(SCRIPTS)}")
+        return 0
     wanted = [a if a.startswith("bench_") else f"bench_{a}" for a in argv]
     unknown = sorted(set(wanted) - set(SCRIPTS))
     if unknown:

@@ -39,6 +39,7 @@ from ._fp8_state import share_state as share_state
 from ._fp8_state import state_from_gradient as state_from_gradient
 from ._fuse import Fused as Fused
 from ._fuse import Plan as Plan
+from ._fuse import RetraceWarning as RetraceWarning
 from ._fuse import explain as explain
 from ._fuse import fuse as fuse
 from ._oplist import Eqn as Eqn

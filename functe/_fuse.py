@@ -32,6 +32,7 @@ import itertools
 import linecache
 import math
 import operator
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -307,9 +308,10 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
         if v in grads:
             em.emit(f"{grads[v]} = _acc({grads[v]}, {value})")
         elif conditional:
+            # first assigned in this step's block: None before it (declared outside), so no _acc
             grads[v] = f"g{len(grads)}"
             declare.append(grads[v])
-            em.emit(f"{grads[v]} = _acc({grads[v]}, {value})")
+            em.emit(f"{grads[v]} = {value}")
         else:
             grads[v] = f"g{len(grads)}"
             em.emit(f"{grads[v]} = {value}")
@@ -327,8 +329,10 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
         # A step none of whose output cotangents is known to exist runs only if one does (at run
         # time: a structural None check, no data): autograd skips such a node, and an FP8 op's
         # backward must not see zeros (it would roll its state as if reached).
-        reached = [grads[v] for v in e.outputs if v is not None and v in grads]
+        reached = [v for v in e.outputs if v is not None and v in grads]
         conditional = not any(v in present for v in e.outputs if v is not None)
+        # inside the block guarded by "g is not None" for a single reached output, that g is present
+        inside = set(present) | (set(reached) if conditional and len(reached) == 1 else set())
         outer, outer_declared = em.lines, len(declare)
         if conditional:
             em.lines = []
@@ -339,7 +343,7 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
                 continue
             meta = em.glob((v.shape, v.dtype, v.device), "m")
             g = grads.get(v)
-            if e.op.symbolic_zeros or v in present:
+            if e.op.symbolic_zeros or v in inside:
                 items.append(g or "None")
             else:
                 items.append(f"_zeros_or({g}, {meta})" if g else f"_zeros({meta})")
@@ -364,7 +368,7 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
             body, em.lines = em.lines, outer
             for name in declare[outer_declared:]:
                 em.emit(f"{name} = None")
-            em.emit(f"if {' or '.join(f'{g} is not None' for g in reached) or 'False'}:")
+            em.emit(f"if {' or '.join(f'{grads[v]} is not None' for v in reached) or 'False'}:")
             em.lines.extend("    " + line for line in body)
     em.emit("return (" + "".join(f"{grads.get(v, 'None')}, " for v in program.inputs) + ")")
 
@@ -529,6 +533,14 @@ def _backward_bwd(backward: Callable, saved, ggrads) -> tuple:
 # ----------------------------------------------------------------------------- the fused function
 
 
+RETRACE_WARNING = 16
+"""After this many traces of one fused function, :class:`RetraceWarning` (once)."""
+
+
+class RetraceWarning(UserWarning):
+    """A fused function keeps meeting new input signatures (see :data:`RETRACE_WARNING`)."""
+
+
 class Fused:
     """``fn`` with fused execution; returned by :func:`fuse`.
 
@@ -543,6 +555,7 @@ class Fused:
         self.trace_count = 0
         self._index: dict[Any, int] = {}
         self._plans: list[Plan] = []
+        self._last_key: tuple | None = None
 
     def __call__(self, *args, **kwargs):
         if _trace.tracing():
@@ -597,7 +610,27 @@ class Fused:
             self.trace_count += 1
             index = self._index[key] = len(self._plans)
             self._plans.append(Plan(program, self.rules, self.recipe, self.__name__))
+            if self.trace_count == RETRACE_WARNING:
+                self._warn_retracing(key, leaves)
+            self._last_key = key
         return index, tensors
+
+    def _warn_retracing(self, key: tuple, leaves: list) -> None:
+        """Warn once that plans pile up, naming the static leaves that changed since the last trace."""
+        previous = self._last_key
+        changed = []
+        if previous is not None and len(previous) == len(key) and previous[:2] == key[:2]:
+            for leaf, old, new in zip(leaves, previous[2:], key[2:]):
+                if old != new and not isinstance(leaf, Tensor):
+                    changed.append(f"{old[1]!r} -> {new[1]!r}")
+        what = f"static leaves changed: {', '.join(changed)}; " if changed else ""
+        warnings.warn(
+            f"functe.fuse({self.__name__}) has traced {self.trace_count} input signatures (each plan is kept); "
+            f"{what}non-tensor arguments are static, so a value that changes every call (a step count, a "
+            "seed) retraces every call: pass it as a tensor (a seed as an i64[] tensor)",
+            RetraceWarning,
+            stacklevel=4,
+        )
 
     def plan(self, *args, **kwargs) -> Plan:
         """The :class:`Plan` for these arguments (tracing ``fn`` if this signature is new)."""

@@ -83,10 +83,20 @@ class Kernel:
             (``functe.kernels._fast.eager_cpu``) whose bits may differ from its
             differentiable formula; recorded calls then always run it through
             the Function (see the module docstring).
+        quantizes: whether the kernel rounds to a low-precision grid (an FP8,
+            MXFP8 or NVFP4 cast, even one returning the dequantized values in a
+            float dtype): forward mode refuses it (see the jvp rule).
     """
 
     def __init__(
-        self, name: str, launcher: Callable, twin: Callable, *, batch: Rowwise | None = None, fast_path: bool = True
+        self,
+        name: str,
+        launcher: Callable,
+        twin: Callable,
+        *,
+        batch: Rowwise | None = None,
+        fast_path: bool = True,
+        quantizes: bool = False,
     ):
         if list(inspect.signature(launcher).parameters) != list(inspect.signature(twin).parameters):
             raise TypeError(f"kernel {name}: launcher and twin must have the same signature")
@@ -95,6 +105,7 @@ class Kernel:
         self.twin = twin
         self.batch = batch
         self.fast_path = fast_path
+        self.quantizes = quantizes
         self.op = torch.library.custom_op(f"functe::{name}", launcher, mutates_args=())
         # The twin is plain torch, so on fake tensors it computes exactly the
         # output shapes and dtypes: it serves as the op's fake implementation.
@@ -119,7 +130,11 @@ class Kernel:
             # custom op (or the plain-torch twin) is all it needs (compiled code is first-order).
             return run(*args)
         if _needs_autograd(args):
-            if run is self.twin and not self.fast_path and first.numel() < TWIN_FUNCTION_MIN_ELEMENTS:
+            if (
+                run is self.twin
+                and not (self.fast_path or self.quantizes)  # (a quantizing kernel's jvp must refuse)
+                and first.numel() < TWIN_FUNCTION_MIN_ELEMENTS
+            ):
                 return run(*args)  # recorded as it runs: cheaper than a Function at this size, same bits
             return function.apply(*args)
         return run(*args)
@@ -182,7 +197,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     def backward(ctx, *grads):
         args = saved_args(ctx)
         diff = _float_positions(args)
-        if len(ctx.floating_outputs) != ctx.n_outputs:
+        if kernel.quantizes or len(ctx.floating_outputs) != ctx.n_outputs:
             # (an MXFP8 cast also returns uint8 scales: a quantizing kernel, reached only when a
             # backward rule that used it is itself differentiated)
             raise TransformError(
@@ -208,11 +223,16 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
         def twin_of(*values):
             return twin(*_with(args, diff, values))
 
-        outputs, out_tangents = torch.func.jvp(twin_of, primals, tans)
-        if not isinstance(outputs, tuple):
-            return out_tangents
-        # (a non-floating output, such as an MXFP8 cast's uint8 scales, has no tangent)
-        return tuple(t if o.is_floating_point() else None for o, t in zip(outputs, out_tangents))
+        if kernel.quantizes or len(ctx.floating_outputs) != ctx.n_outputs:
+            # A quantizing kernel (FP8 data, uint8 scales): its rounding is piecewise constant, so the
+            # tangent would silently vanish into it, or survive only through the scale's path, while
+            # reverse mode treats quantized linears as straight-through (TransformerEngine's rule).
+            raise TransformError(
+                f"functe.{kernel.name}: forward-mode derivatives (jvp, jacfwd) through a quantizing kernel are "
+                "not supported: an FP8 or block-scaled op is differentiated straight-through in reverse mode only "
+                "(use torch.func.vjp / jacrev)"
+            )
+        return torch.func.jvp(twin_of, primals, tans)[1]
 
     def vmap(info, in_dims, *args):
         rule = kernel.batch

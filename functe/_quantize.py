@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._block_quantize import dequantize_block, quantize_block
-from ._errors import FuncteError, ShapeError, StateError, check_tensor, describe
+from ._errors import DTypeError, FuncteError, ShapeError, StateError, check_tensor, describe, describe_shape, dtype_name
 from ._fp8_state import current_scale, delayed_scaling_update
 from ._recipe import BLOCK_RECIPES, ROLES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from ._seed import seed_tensor
@@ -304,12 +304,64 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> Tensor
     """
     if not isinstance(q, QuantizedTensor):
         raise FuncteError(f"functe.dequantize: argument 'q' expected a QuantizedTensor, got {type(q).__name__}")
+    check_quantized_layout("dequantize", "q", q)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise DTypeError(f"functe.dequantize: argument 'dtype' expected a floating dtype, got {dtype!r}")
     if q.block_scales is not None and q.block_scales.dtype != torch.uint8:
         return dequantize_block(q.data, q.scale_inv, q.block_scales).to(dtype)
     values = q.data.to(torch.float32)
     if q.block_scales is None:
         return (values * q.scale_inv).to(dtype)
     return mx_dequantize(values, q.block_scales).to(dtype)
+
+
+_FP8_DATA = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_quantized_layout(op: str, arg: str, q: QuantizedTensor) -> None:
+    """Raise unless ``q``'s fields form one of the layouts :class:`QuantizedTensor` documents.
+
+    A hand-built tensor whose block scales do not fit its data would otherwise be read out of
+    bounds by the Triton kernels, or (a 1-D layout with too few rows) taken for a weight's 2-D one.
+    """
+    data, scale_inv, scales = q.data, q.scale_inv, q.block_scales
+
+    def fail(field: str, expected: str, actual, why: str = "", error: type = ShapeError) -> None:
+        tail = f" ({why})" if why else ""
+        raise error(f"functe.{op}: argument '{arg}.{field}' expected {expected}, got {describe(actual)}{tail}")
+
+    def check_scalar(field: str, value) -> None:
+        if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.dim() != 0:
+            fail(field, "f32[]", value)
+
+    if not isinstance(data, Tensor) or data.dim() < 1:
+        fail("data", "a tensor of rank >= 1", data)
+    kind = None if scales is None else scales.dtype if isinstance(scales, Tensor) else type(scales)
+    if kind is torch.float8_e4m3fn:  # NVFP4: packed E2M1 codes
+        data_dtype, block, k, layouts = torch.uint8, 16, 2 * data.shape[-1], "NVFP4"
+        check_scalar("scale_inv", scale_inv)
+    elif kind in (None, torch.uint8, torch.float32):
+        data_dtype, block, k = None, {None: 0, torch.uint8: 32, torch.float32: 128}[kind], data.shape[-1]
+        layouts = {None: "per-tensor FP8", torch.uint8: "MXFP8", torch.float32: "FP8 block"}[kind]
+        if data.dtype not in _FP8_DATA:
+            fail("data", "float8_e4m3fn or float8_e5m2 data", data, f"{layouts} layout", DTypeError)
+        if kind is None:
+            check_scalar("scale_inv", scale_inv)
+            return
+        if scale_inv is not None:
+            fail("scale_inv", "None", scale_inv, f"{layouts} keeps its scales in block_scales")
+    else:
+        fail("block_scales", "None, u8 (MXFP8), f32 (FP8 block) or f8e4m3 (NVFP4) block scales", scales, "", DTypeError)
+    if data_dtype is not None and data.dtype != data_dtype:
+        fail("data", dtype_name(data_dtype), data, f"{layouts} layout", DTypeError)
+    lead, n_blocks = tuple(data.shape[:-1]), -(-k // block)
+    one_d = (*lead, n_blocks)
+    two_d = (-(-data.shape[0] // block), n_blocks) if data.dim() == 2 and kind is not torch.uint8 else None
+    if tuple(scales.shape) not in (one_d, two_d):
+        expected = describe_shape(scales.dtype, one_d)
+        if two_d is not None:
+            expected += f" or, for a weight's {block}x{block} blocks, {describe_shape(scales.dtype, two_d)}"
+        fail("block_scales", expected, scales, f"{layouts} data {describe(data)}")
 
 
 def mx_dequantize(values: Tensor, e8m0: Tensor) -> Tensor:

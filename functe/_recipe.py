@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 import torch
 
@@ -30,6 +31,12 @@ from ._errors import RecipeError
 FORWARD_ROLES = ("input", "weight")
 BACKWARD_ROLES = ("grad_output",)
 ROLES = FORWARD_ROLES + BACKWARD_ROLES
+
+
+def _check_amax_epsilon(recipe: str, eps) -> None:
+    # (inf would give every block scale 1, saturating everything; NaN compares false everywhere)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps < math.inf:
+        raise RecipeError(f"functe.{recipe}: amax_epsilon must be a finite number >= 0, got {eps!r}")
 
 
 class Format(enum.Enum):
@@ -160,9 +167,7 @@ class CurrentScaling(_Recipe):
         _check_format("CurrentScaling", self.fp8_format, (Format.E4M3, Format.HYBRID))
         if not isinstance(self.power_2_scales, bool):
             raise RecipeError(f"functe.CurrentScaling: power_2_scales must be a bool, got {self.power_2_scales!r}")
-        eps = self.amax_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0.0:
-            raise RecipeError(f"functe.CurrentScaling: amax_epsilon must be a number >= 0, got {eps!r}")
+        _check_amax_epsilon("CurrentScaling", self.amax_epsilon)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +224,7 @@ class Float8BlockScaling(_Recipe):
         _check_format("Float8BlockScaling", self.fp8_format, (Format.E4M3, Format.HYBRID))
         if not isinstance(self.power_2_scales, bool):
             raise RecipeError(f"functe.Float8BlockScaling: power_2_scales must be a bool, got {self.power_2_scales!r}")
-        eps = self.amax_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0.0:
-            raise RecipeError(f"functe.Float8BlockScaling: amax_epsilon must be a number >= 0, got {eps!r}")
+        _check_amax_epsilon("Float8BlockScaling", self.amax_epsilon)
 
     def block_shape(self, role: str) -> tuple[int, int]:
         """``(rows, cols)`` of one scaling block of tensor ``role``: 128x128 for weights, else 1x128."""

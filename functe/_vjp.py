@@ -479,7 +479,12 @@ def _make_function(
             torch.zeros_like(primals[k]) if tangents[1 + positions[k]] is None else tangents[1 + positions[k]]
             for k in diff
         )
-        _, out_tangents = torch.func.jvp(out_only, tuple(dense(primals[k]) for k in diff), tans)
+        try:
+            _, out_tangents = torch.func.jvp(out_only, tuple(dense(primals[k]) for k in diff), tans)
+        except TransformError as error:  # (a kernel's refusal: say which op the user called)
+            if str(error).startswith(f"functe.{name}:"):
+                raise
+            raise TransformError(f"functe.{name}: {error}") from None
         it = iter(out_tangents)
         result = [None if meta is None else next(it) for meta in ctx.out_meta]
         if not layout.n_new:

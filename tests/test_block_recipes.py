@@ -36,6 +36,8 @@ def test_recipes_are_frozen_hashable_and_te_defaults():
         (lambda: Float8BlockScaling(fp8_format=Format.E5M2), "pure E5M2"),
         (lambda: Float8BlockScaling(power_2_scales=1), "power_2_scales must be a bool"),
         (lambda: Float8BlockScaling(amax_epsilon=-1.0), "amax_epsilon"),
+        (lambda: Float8BlockScaling(amax_epsilon=float("inf")), "amax_epsilon must be a finite number"),
+        (lambda: functe.CurrentScaling(amax_epsilon=float("nan")), "amax_epsilon must be a finite number"),
         (lambda: NVFP4BlockScaling(disable_rht="yes"), "disable_rht must be a bool"),
         (lambda: Float8BlockScaling().block_shape("bias"), "unknown tensor role"),
     ],
@@ -96,3 +98,79 @@ def test_errors_name_the_argument():
         )
     with pytest.raises(functe.RecipeError, match="NVFP4BlockScaling"):
         ops.fp8_linear(x, torch.randn(8, 32), None, None, recipe="nvfp4")
+
+
+@pytest.mark.parametrize("rows", [8, 4096])  # 4096x64 is past a chunk: the CPU fast path's size
+def test_vmap_over_seeds_rounds_each_member_with_its_own_seed(rows):
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0))
+
+    def codes(seed):
+        return functe.quantize(x, NVFP4BlockScaling(), role="grad_output", seed=seed)[0].data
+
+    seeds = torch.tensor([1, 2])
+    batched = torch.func.vmap(codes)(seeds)
+    for member, seed in zip(batched, seeds):
+        assert torch.equal(member, codes(seed))
+    assert not torch.equal(batched[0], batched[1])
+
+
+def _packed(rows, cols):
+    return torch.full((rows, cols), 0x22, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(
+    ("q", "error", "match"),
+    [
+        # NVFP4 data of K=32 needs 2 scales per row (the Triton kernel read past the scales)
+        (
+            functe.QuantizedTensor(_packed(4, 16), torch.tensor(1.0), torch.ones(4, 1).to(torch.float8_e4m3fn)),
+            functe.ShapeError,
+            r"'q\.block_scales' expected f8e4m3\[4,2\] or, for a weight's 16x16 blocks, f8e4m3\[1,2\], "
+            r"got f8e4m3\[4,1\]",
+        ),
+        # three scale rows for four 1x128-block rows were read as a weight's 128x128 layout
+        (
+            functe.QuantizedTensor(torch.ones(4, 128).to(torch.float8_e4m3fn), None, torch.ones(3, 1)),
+            functe.ShapeError,
+            r"'q\.block_scales' expected f32\[4,1\] .*got f32\[3,1\]",
+        ),
+        (
+            functe.QuantizedTensor(_packed(4, 16), None, torch.ones(4, 2).to(torch.float8_e4m3fn)),
+            functe.ShapeError,
+            r"'q\.scale_inv' expected f32\[\], got None",
+        ),
+        (
+            functe.QuantizedTensor(torch.ones(4, 8), torch.tensor(1.0), None),
+            functe.DTypeError,
+            r"'q\.data' expected float8_e4m3fn or float8_e5m2 data, got f32\[4,8\] \(per-tensor FP8 layout\)",
+        ),
+        (
+            functe.QuantizedTensor(torch.ones(4, 64).to(torch.float8_e5m2), None, torch.ones(4, 1, dtype=torch.uint8)),
+            functe.ShapeError,
+            r"'q\.block_scales' expected u8\[4,2\], got u8\[4,1\]",
+        ),
+        (
+            functe.QuantizedTensor(torch.ones(4, 64).to(torch.float8_e5m2), None, torch.ones(4, 2, dtype=torch.int32)),
+            functe.DTypeError,
+            r"'q\.block_scales' expected None, u8 \(MXFP8\), f32 \(FP8 block\) or f8e4m3 \(NVFP4\)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("backend", ["torch", "interpret"])
+def test_dequantize_refuses_block_scales_that_do_not_fit_the_data(q, error, match, backend):
+    with functe.use_backend(backend), pytest.raises(error, match=r"functe\.dequantize: argument " + match):
+        functe.dequantize(q)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_dequantize_accepts_every_layout_quantize_makes(rows):
+    x = torch.randn(rows, 300, generator=torch.Generator().manual_seed(rows))
+    recipes = [Float8BlockScaling(), NVFP4BlockScaling(disable_stochastic_rounding=True), functe.MXFP8BlockScaling()]
+    for recipe in [*recipes, functe.CurrentScaling()]:
+        for role in ("input", "weight"):
+            q, _ = functe.quantize(x, recipe, role=role)
+            assert functe.dequantize(q).shape == x.shape
+    q, _ = functe.quantize(x.view(1, rows, 300), Float8BlockScaling())
+    assert functe.dequantize(q, torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(functe.DTypeError, match="argument 'dtype'"):
+        functe.dequantize(q, torch.int32)

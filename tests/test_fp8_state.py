@@ -50,7 +50,7 @@ def test_formats_map_roles_to_dtypes():
         (lambda: DelayedScaling(amax_history_len=2.0), r"amax_history_len must be an int"),
         (lambda: DelayedScaling(margin=0.5), r"margin must be an int, got 0.5"),
         (lambda: DelayedScaling(amax_compute_algo=max), r"amax_compute_algo must be 'max' or 'most_recent'"),
-        (lambda: functe.CurrentScaling(amax_epsilon=-1.0), r"amax_epsilon must be a number >= 0"),
+        (lambda: functe.CurrentScaling(amax_epsilon=-1.0), r"amax_epsilon must be a finite number >= 0"),
         (lambda: functe.CurrentScaling(power_2_scales=1), r"power_2_scales must be a bool"),
     ],
 )

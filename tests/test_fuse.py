@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from fuse_helpers import F64, assert_matches_float64, draw, plan_of
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functe
-from functe import ops
+from functe import _fuse, ops
 from functe.rules import DEFAULT_RULES, RuleSet, check
 from functe.rules.core import (
     BACKWARD_LINEAR_ADD,
@@ -271,6 +273,26 @@ def test_a_new_signature_retraces_and_the_same_one_does_not():
     fused(x.requires_grad_(), w, b, scale=2.0)  # grad requirements do not change the plan
     torch.func.vmap(lambda x: fused(x, w, b, scale=2.0))(make((2, 3, 4)))
     assert fused.trace_count == 5
+
+
+def test_a_static_value_changing_every_call_warns_once_naming_it():
+    # A step count passed as a Python int is static: every step traced a new plan, and kept it.
+    fused = functe.fuse(lambda x, step: ops.dropout(x, 0.5, seed=step))
+    x = make((2, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(_fuse.RETRACE_WARNING + 3):
+            fused(x, step)
+    assert fused.trace_count == _fuse.RETRACE_WARNING + 3
+    [warning] = [w for w in caught if issubclass(w.category, functe.RetraceWarning)]
+    assert f"traced {_fuse.RETRACE_WARNING} input signatures" in str(warning.message)
+    assert f"static leaves changed: {_fuse.RETRACE_WARNING - 2} -> {_fuse.RETRACE_WARNING - 1}" in str(warning.message)
+    assert warning.filename == __file__  # points at the caller's line
+    # the remedy: the seed as a tensor is an input, one plan for every step
+    fused = functe.fuse(lambda x, step: ops.dropout(x, 0.5, seed=step))
+    for step in range(_fuse.RETRACE_WARNING + 3):
+        torch.testing.assert_close(fused(x, torch.tensor(step)), ops.dropout(x, 0.5, seed=step), rtol=0, atol=0)
+    assert fused.trace_count == 1
 
 
 def test_dict_key_order_and_key_types_are_part_of_the_signature():

@@ -143,15 +143,36 @@ def test_forward_over_reverse_with_a_plain_sum_loss(name):
     assert_close(got, want)
 
 
-def test_mxfp8_linear_forward_mode_works_and_second_order_is_refused():
-    # The cast's uint8 scales got a tangent (jvp failed) and a raw vjp error in second order.
-    recipe = functe.MXFP8BlockScaling()
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        functe.DelayedScaling(),
+        functe.CurrentScaling(),
+        functe.MXFP8BlockScaling(),
+        functe.Float8BlockScaling(),
+        functe.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True),
+    ],
+    ids=lambda r: type(r).__name__,
+)
+def test_quantized_linear_refuses_forward_mode_and_second_order(recipe):
+    # Forward mode differentiated the casts' rounding: MXFP8's uint8 scales first failed, then every
+    # recipe returned a silent tangent (exact zeros for block scaling, only the scale's path for the
+    # others) where reverse mode is straight-through.
     x, w = torch.randn(4, 32), torch.randn(8, 32)
-    y, ty = jvp(lambda x: ops.fp8_linear(x, w, None, None, recipe=recipe), (x,), (torch.ones_like(x),))
-    assert ty.shape == y.shape and ty.isfinite().all()
-    loss = lambda x: ops.fp8_linear(x, w, None, None, recipe=recipe).pow(2).sum()
-    with pytest.raises(functe.TransformError, match=r"functe\.mxfp8_cast: a quantizing kernel has no derivative"):
-        grad(lambda x: grad(loss)(x).sum())(x)
+    state = functe.init_linear_scaling_state(recipe)
+    linear = lambda x: ops.fp8_linear(x, w, None, state, recipe=recipe)
+    out = lambda y: y[0] if isinstance(y, tuple) else y
+    op = "block_linear" if isinstance(recipe, (functe.Float8BlockScaling, functe.NVFP4BlockScaling)) else "fp8_linear"
+    with pytest.raises(functe.TransformError, match=rf"functe\.{op}: functe\.\w+: forward-mode derivatives"):
+        jvp(linear, (x,), (torch.ones_like(x),))
+    with pytest.raises(functe.TransformError, match="forward-mode derivatives"):
+        torch.func.jacfwd(lambda x: out(linear(x)))(x)
+    # reverse mode: straight-through, the dgrad GEMM of the quantized operands
+    assert torch.func.jacrev(lambda x: out(linear(x)))(x).abs().sum() > 0
+    if isinstance(recipe, functe.MXFP8BlockScaling):
+        loss = lambda x: out(linear(x)).pow(2).sum()
+        with pytest.raises(functe.TransformError, match=r"functe\.mxfp8_cast: a quantizing kernel has no derivative"):
+            grad(lambda x: grad(loss)(x).sum())(x)
 
 
 def test_second_order_refused_when_the_cotangent_is_a_constant():

@@ -337,14 +337,16 @@ def unblocked(t: Tensor, shape: torch.Size) -> Tensor:
     return t.reshape(*lead, mb * br, kb * bc)[..., : shape[-2], : shape[-1]].reshape(shape)
 
 
-def by_row_chunks(x: Tensor, tile_rows: int, outputs, rows_fn) -> bool:
+def by_row_chunks(x: Tensor, tile_rows: int, outputs, rows_fn, *, inputs: tuple = ()) -> bool:
     """The twins' CPU fast path: ``rows_fn(x_rows)`` on cache-sized chunks of whole tile rows.
 
     ``outputs`` are ``(tensor, rows per output row)`` pairs (1 for per-row results, ``tile_rows``
-    for per-tile scales); chunk results are written into them. Runs only on plain eager CPU tensors
-    larger than a chunk (see :mod:`functe.kernels._fast`); returns whether it ran.
+    for per-tile scales); chunk results are written into them. ``inputs``: the twin's other tensor
+    arguments that ``rows_fn`` reads (an amax, a seed). Runs only when ``x`` and all of them are plain
+    eager CPU tensors (not a vmapped seed over a plain ``x``) and ``x`` is larger than a chunk (see
+    :mod:`functe.kernels._fast`); returns whether it ran.
     """
-    if x.numel() <= _fast.CHUNK_ELEMENTS or not _fast.eager_cpu(x):
+    if x.numel() <= _fast.CHUNK_ELEMENTS or not _fast.eager_cpu(x, *inputs):
         return False
     mat = rows_view(x)
     n_rows = mat.shape[0]
@@ -569,9 +571,9 @@ def fp8_block_dequantize_ref(data: Tensor, scale_inv: Tensor, block_rows: int, o
     return (data.to(torch.float32) * expand_block_scales(scale_inv, data.shape, block_rows, BLOCK)).to(out_dtype)
 
 
-FP8_BLOCK_CAST = Kernel("fp8_block_cast", fp8_block_cast, fp8_block_cast_ref, batch=Rowwise())
+FP8_BLOCK_CAST = Kernel("fp8_block_cast", fp8_block_cast, fp8_block_cast_ref, batch=Rowwise(), quantizes=True)
 FP8_BLOCK_ACT_CAST_KEEP = Kernel(
-    "fp8_block_act_cast_keep", fp8_block_act_cast_keep, fp8_block_act_cast_keep_ref, batch=Rowwise()
+    "fp8_block_act_cast_keep", fp8_block_act_cast_keep, fp8_block_act_cast_keep_ref, batch=Rowwise(), quantizes=True
 )
-FP8_BLOCK_CAST_2D = Kernel("fp8_block_cast_2d", fp8_block_cast_2d, fp8_block_cast_2d_ref)
+FP8_BLOCK_CAST_2D = Kernel("fp8_block_cast_2d", fp8_block_cast_2d, fp8_block_cast_2d_ref, quantizes=True)
 FP8_BLOCK_DEQUANTIZE = Kernel("fp8_block_dequantize", fp8_block_dequantize, fp8_block_dequantize_ref)

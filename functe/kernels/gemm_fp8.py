@@ -194,8 +194,8 @@ def cast_fp8_ref(y: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
 
 
 GEMM_AMAX = Kernel("gemm_amax", gemm_amax, gemm_amax_ref, fast_path=False)  # amax reduces over rows: vmaps the twin
-GEMM_QUANTIZE = Kernel("gemm_quantize", gemm_quantize, gemm_quantize_ref, fast_path=False)
-CAST_FP8 = Kernel("gemm_cast_fp8", cast_fp8, cast_fp8_ref, batch=Rowwise(params=(1,)), fast_path=False)
+GEMM_QUANTIZE = Kernel("gemm_quantize", gemm_quantize, gemm_quantize_ref, fast_path=False, quantizes=True)
+CAST_FP8 = Kernel("gemm_cast_fp8", cast_fp8, cast_fp8_ref, batch=Rowwise(params=(1,)), fast_path=False, quantizes=True)
 
 
 def gemm_quantize_current(

@@ -248,7 +248,7 @@ def norm_nvfp4_cast_ref(
 
 # The NVFP4 cast reads a tensor-wide amax and both kernels' statistics follow x's rows; under vmap
 # the twins are vmapped (as for NORM_CAST_AMAX).
-NORM_FP8_BLOCK_CAST = Kernel("norm_fp8_block_cast", norm_fp8_block_cast, norm_fp8_block_cast_ref)
-NORM_NVFP4_CAST = Kernel("norm_nvfp4_cast", norm_nvfp4_cast, norm_nvfp4_cast_ref)
+NORM_FP8_BLOCK_CAST = Kernel("norm_fp8_block_cast", norm_fp8_block_cast, norm_fp8_block_cast_ref, quantizes=True)
+NORM_NVFP4_CAST = Kernel("norm_nvfp4_cast", norm_nvfp4_cast, norm_nvfp4_cast_ref, quantizes=True)
 
 __all__ = ["KINDS", "NORM_FP8_BLOCK_CAST", "NORM_NVFP4_CAST"]

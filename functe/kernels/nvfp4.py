@@ -346,13 +346,13 @@ def nvfp4_cast_ref(
     params = (ge, gd, act, limit, alpha, offset, tile_rows, stochastic, out_dtype)
     q = torch.empty((n_rows, n_cols // 2 if out_dtype == torch.uint8 else n_cols), dtype=out_dtype, device=x.device)
     scales = torch.empty((-(-n_rows // tile_rows), -(-n_cols // BLOCK)), dtype=torch.float8_e4m3fn, device=x.device)
-    key = int(seed) if stochastic and _fast.eager_cpu(seed) else 0
+    key = int(seed) if stochastic and _fast.eager_cpu(x, amax, seed) else None  # (None: no chunked path)
 
     def chunk(mat, r0):
         bits = random_bits_fast(key, r0 * n_cols, mat.shape[0] * n_cols).view(-1, n_cols) if stochastic else None
         return _nvfp4_rows(mat, bits, *params)
 
-    if not by_row_chunks(x, tile_rows, ((q, 1), (scales, tile_rows)), chunk):
+    if not by_row_chunks(x, tile_rows, ((q, 1), (scales, tile_rows)), chunk, inputs=(amax, seed)):
         index = torch.arange(n_rows * n_cols, dtype=torch.int64, device=x.device).view(n_rows, n_cols)
         bits = random_bits_ref(seed, index) if stochastic else None
         q, scales = _nvfp4_rows(rows_view(x), bits, *params)
@@ -425,5 +425,5 @@ def nvfp4_dequantize_ref(
     return (values * expand_block_scales(scales, values.shape, block_rows, BLOCK) * global_decode).to(out_dtype)
 
 
-NVFP4_CAST = Kernel("nvfp4_cast", nvfp4_cast, nvfp4_cast_ref)
+NVFP4_CAST = Kernel("nvfp4_cast", nvfp4_cast, nvfp4_cast_ref, quantizes=True)
 NVFP4_DEQUANTIZE = Kernel("nvfp4_dequantize", nvfp4_dequantize, nvfp4_dequantize_ref)

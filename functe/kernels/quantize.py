@@ -683,16 +683,18 @@ def mxfp8_cast_ref(x: Tensor, qdtype: torch.dtype, out_dtype: torch.dtype) -> tu
     return q.contiguous(), exp.to(torch.uint8)
 
 
-CAST_AMAX = Kernel("fp8_cast_amax", cast_amax, cast_amax_ref, fast_path=False)
-ACT_CAST_AMAX = Kernel("fp8_act_cast_amax", act_cast_amax, act_cast_amax_ref)
-DBIAS_CAST_AMAX = Kernel("fp8_dbias_cast_amax", dbias_cast_amax, dbias_cast_amax_ref, fast_path=False)
+CAST_AMAX = Kernel("fp8_cast_amax", cast_amax, cast_amax_ref, fast_path=False, quantizes=True)
+ACT_CAST_AMAX = Kernel("fp8_act_cast_amax", act_cast_amax, act_cast_amax_ref, quantizes=True)
+DBIAS_CAST_AMAX = Kernel("fp8_dbias_cast_amax", dbias_cast_amax, dbias_cast_amax_ref, fast_path=False, quantizes=True)
 DACT_DBIAS_CAST_AMAX = Kernel(
-    "fp8_dact_dbias_cast_amax", dact_dbias_cast_amax, dact_dbias_cast_amax_ref, fast_path=False
+    "fp8_dact_dbias_cast_amax", dact_dbias_cast_amax, dact_dbias_cast_amax_ref, fast_path=False, quantizes=True
 )
-MXFP8_CAST = Kernel("mxfp8_cast", mxfp8_cast, mxfp8_cast_ref, batch=Rowwise())
-ACT_OUTPUT_CAST_AMAX = Kernel("fp8_act_output_cast_amax", act_output_cast_amax, act_output_cast_amax_ref)
+MXFP8_CAST = Kernel("mxfp8_cast", mxfp8_cast, mxfp8_cast_ref, batch=Rowwise(), quantizes=True)
+ACT_OUTPUT_CAST_AMAX = Kernel(
+    "fp8_act_output_cast_amax", act_output_cast_amax, act_output_cast_amax_ref, quantizes=True
+)
 ACT_OUTPUT_AMAX = Kernel("act_output_amax", act_output_amax, act_output_amax_ref)
 DACT_OUTPUT_DBIAS_CAST_AMAX = Kernel(
-    "fp8_dact_output_dbias_cast_amax", dact_output_dbias_cast_amax, dact_output_dbias_cast_amax_ref
+    "fp8_dact_output_dbias_cast_amax", dact_output_dbias_cast_amax, dact_output_dbias_cast_amax_ref, quantizes=True
 )
 DACT_DBIAS = Kernel("dact_dbias", dact_dbias, dact_dbias_ref)
