@@ -61,6 +61,25 @@ def _acc(a, b):
     return a + b
 
 
+def _distinct(outputs: tuple, inputs: tuple) -> tuple:
+    """``outputs`` with a view in place of any tensor that is an input or an earlier output.
+
+    A Function must not return one of its inputs, or one tensor twice (Dynamo's trace of it fails),
+    and an op such as ``identity`` or ``make_extra_output`` hands back its input object, so whether
+    two variables are one tensor is known only at run time.
+    """
+    seen = {id(t) for t in inputs}
+    result = []
+    for t in outputs:
+        if isinstance(t, Tensor):
+            if id(t) in seen:
+                t = t.view_as(t)
+            else:
+                seen.add(id(t))
+        result.append(t)
+    return tuple(result)
+
+
 def _zeros(meta) -> Tensor:
     shape, dtype, device = meta
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -94,6 +113,7 @@ class _Emitter:
             "torch": torch,
             "_acc": _acc,
             "_zeros": _zeros,
+            "_distinct": _distinct,
             "_zeros_or": _zeros_or,
             "_leaves": tree_leaves,
             "_unflatten": tree_unflatten,
@@ -215,8 +235,9 @@ def _is_float_var(a) -> bool:
 class _Liveness:
     """Which vars carry cotangents and which backward steps (and so residuals) are needed."""
 
-    def __init__(self, program: OpList, joint: OpList, backward: OpList):
-        needs = {v for v in program.inputs if v.dtype.is_floating_point}
+    def __init__(self, program: OpList, joint: OpList, backward: OpList, wanted: frozenset | None = None):
+        # wanted: the inputs whose gradients are asked for (None: every float input)
+        needs = {v for v in program.inputs if v.dtype.is_floating_point and (wanted is None or v in wanted)}
         for e in joint.eqns:
             if any(isinstance(a, Var) and a in needs for a in e.inputs):
                 needs.update(v for v in e.outputs if _is_float_var(v))
@@ -264,26 +285,25 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
                 em.emit(f"_o, {r} = {call}")
                 em.bind(e, "_o")
 
-    def outputs(distinct: bool) -> str:
-        seen: set[Var] = set(program.inputs)
-        items = []
-        for a in program.outputs:
-            text = em.atom(a)
-            if distinct and isinstance(a, Var) and a in seen:
-                # A Function must not return an input, or one tensor twice: a view keeps it functional.
-                text = f"{text}.view_as({text})"
-            if isinstance(a, Var):
-                seen.add(a)
-            items.append(text)
+    def outputs(in_function: bool) -> str:
+        if not in_function:
+            return em.pack([em.atom(a) for a in program.outputs], program.out_tree)
+        # Inside the Function: constants (a captured tensor the program returns) are left out and put
+        # back by the caller (Plan.constant_outputs): as outputs of the Function, autograd would give
+        # the caller's own tensor a grad_fn. Variables go through _distinct (see there).
+        items = [em.atom(a) if isinstance(a, Var) else "None" for a in program.outputs]
+        if any(isinstance(a, Var) for a in program.outputs):
+            em.emit(f"_out = _distinct(({''.join(i + ', ' for i in items)}), ({inputs}{',' if inputs else ''}))")
+            items = [f"_out[{k}]" for k in range(len(items))]
         return em.pack(items, program.out_tree)
 
     em.lines.append(f"def infer({inputs}):")
     forward_body(keep_residuals=False)
-    em.emit(f"return {outputs(distinct=False)}")
+    em.emit(f"return {outputs(in_function=False)}")
     em.lines.append(f"def forward({inputs}):")
     forward_body(keep_residuals=True)
     residuals = "".join(f"{res_names[e]}, " for e in live.residuals)
-    em.emit(f"return {outputs(distinct=True)}, ({residuals})")
+    em.emit(f"return {outputs(in_function=True)}, ({residuals})")
     _generate_backward(em, program, live, res_names)
     # The backward rule of the fused op. Under create_graph / torch.func the backward plan runs as
     # one differentiable op; a plain first-order backward (grad mode off) and compiled code run it
@@ -293,6 +313,18 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
     em.emit("if torch.is_grad_enabled() and not torch.compiler.is_compiling():")
     em.emit("    return _backward_op(res, cts)")
     em.emit("return backward(res, cts)")
+    # The outputs of the fused op with the constants it left out put back (see outputs()).
+    em.lines.append("def with_constants(out):")
+    if all(isinstance(a, Var) for a in program.outputs):
+        em.emit("return out")
+    else:
+        if program.out_tree != LEAF:
+            em.emit(f"out = {em.leaves(program.out_tree, 'out')}")
+        items = [
+            (("out" if program.out_tree == LEAF else f"out[{k}]") if isinstance(a, Var) else em.atom(a))
+            for k, a in enumerate(program.outputs)
+        ]
+        em.emit(f"return {em.pack(items, program.out_tree)}")
     return "\n".join(em.lines) + "\n", em.globals
 
 
@@ -350,6 +382,11 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
         owners = _owners(e)
         res = res_names[e] if e.phase != "backward" else f"({''.join(f'{res_names[o]}, ' for o in owners)})"
         em.emit(f"_c = {em.glob(e.op.bwd, 'b')}({res}, {em.pack(items, e.out_tree)}{em.params(e)})")
+        # The step consumed its outputs' cotangents (complete: a variable has one producing step):
+        # drop them, so an intermediate gradient is freed here, as autograd frees a node's inputs.
+        done = [grads[v] for v in e.outputs if v is not None and v in grads]
+        if done:
+            em.emit(f"{' = '.join(done)} = None")
         offset = 0
         for i, child in enumerate(e.in_tree.children()):
             atoms = e.inputs[offset : offset + child.num_leaves]
@@ -402,23 +439,25 @@ class Plan:
         self.forward, forward_stats = rewrite(self.joint, rules, "forward", recipe=recipe)
         self.backward, backward_stats = rewrite(self.joint, rules, "backward", recipe=recipe)
         self.stats = {"joint": joint_stats, "forward": forward_stats, "backward": backward_stats}
-        self.liveness = _Liveness(program, self.joint, self.backward)
-        self.source, namespace = _generate(program, self.forward, self.liveness)
-        filename = f"<functe.fuse {name} #{next(_plan_numbers)}>"
-        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
-        exec(compile(self.source, filename, "exec"), namespace)
-        self.infer: Callable = namespace["infer"]
-        backward = namespace["backward"]
-        # The generated dispatcher ``bwd`` calls this op under create_graph / torch.func (see _generate).
-        namespace["_backward_op"] = custom_vjp(
-            f"fused_{name}_bwd", _backward_fwd(backward), functools.partial(_backward_bwd, backward)
-        )
-        # symbolic zeros: an output nobody uses has no cotangent, and the backward plan skips the
-        # steps that only it reaches (as autograd skips the unfused nodes; an FP8 state is kept).
-        self.op = custom_vjp(f"fused_{name}", namespace["forward"], namespace["bwd"], symbolic_zeros=True)
-        self.eager = _eager_function(
-            f"fused_{name}_eager", namespace["forward"], backward, namespace["_backward_op"], program.out_tree
-        )
+        # Whether any output depends on an input (else there is nothing to differentiate: infer runs).
+        self.differentiable = any(isinstance(a, Var) for a in program.outputs)
+        self._variants: dict[tuple[bool, ...] | None, _Variant] = {}
+        full = self.variant(None)
+        self.liveness, self.source, self.infer, self.op = full.liveness, full.source, full.infer, full.op
+        self.eager, self.with_constants = full.eager, full.with_constants
+
+    def variant(self, needs_grad: tuple[bool, ...] | None) -> _Variant:
+        """The generated functions when only the inputs flagged in ``needs_grad`` (one flag per
+        tensor input; ``None``: all) want gradients: the forward keeps only the residuals their
+        backward steps read (a frozen input's branch saves nothing, as in autograd)."""
+        variant = self._variants.get(needs_grad)
+        if variant is None:
+            variant = self._variants[needs_grad] = _Variant(self, needs_grad)
+        return variant
+
+    def run_op(self, *tensors):
+        """The custom_vjp op on these tensors, constants put back (compiled calls)."""
+        return self.with_constants(self.op(*tensors))
 
     def explain(self) -> str:
         """The op list before and after each rewrite, rules fired and declined (see :func:`explain`)."""
@@ -439,6 +478,40 @@ class Plan:
         kept = ", ".join(e.name for e in self.liveness.residuals)
         lines.append(f"residuals kept for the backward plan: {kept or 'none'}")
         return "\n".join(lines)
+
+
+class _Variant:
+    """A plan's generated code for one set of inputs that want gradients (see :meth:`Plan.variant`)."""
+
+    def __init__(self, plan: Plan, needs_grad: tuple[bool, ...] | None):
+        program, name = plan.program, plan.name
+        wanted = None if needs_grad is None else frozenset(v for v, n in zip(program.inputs, needs_grad) if n)
+        self.liveness = _Liveness(program, plan.joint, plan.backward, wanted)
+        self.source, namespace = _generate(program, plan.forward, self.liveness)
+        filename = f"<functe.fuse {name} #{next(_plan_numbers)}>"
+        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
+        exec(compile(self.source, filename, "exec"), namespace)
+        self.infer: Callable = namespace["infer"]
+        self.with_constants: Callable = namespace["with_constants"]
+        backward = namespace["backward"]
+        # The generated dispatcher ``bwd`` calls this op under create_graph / torch.func (see _generate).
+        namespace["_backward_op"] = custom_vjp(
+            f"fused_{name}_bwd", _backward_fwd(backward), functools.partial(_backward_bwd, backward)
+        )
+        # symbolic zeros: an output nobody uses has no cotangent, and the backward plan skips the
+        # steps that only it reaches (as autograd skips the unfused nodes; an FP8 state is kept).
+        self.op = custom_vjp(f"fused_{name}", namespace["forward"], namespace["bwd"], symbolic_zeros=True)
+        eager = _eager_function(
+            f"fused_{name}_eager", namespace["forward"], backward, namespace["_backward_op"], program.out_tree
+        )
+        if not all(isinstance(a, Var) for a in program.outputs):
+            self.eager = lambda *tensors: self.with_constants(eager(*tensors))
+        else:
+            self.eager = eager
+
+    def run_op(self, *tensors):
+        """The custom_vjp op on these tensors, constants put back (torch.func calls)."""
+        return self.with_constants(self.op(*tensors))
 
 
 _SAVED = object()  # marks a residual leaf kept with save_for_backward
@@ -568,15 +641,21 @@ class Fused:
             index, order = _compiled_plan_index(self, _constant_key((args, kwargs), walked))
             plan = self._plans[index]
             tensors = [walked[i] for i in order]
-            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-                return plan.op(*tensors)  # Dynamo traces the custom_vjp op
+            if plan.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                return plan.run_op(*tensors)  # Dynamo traces the custom_vjp op
             return plan.infer(*tensors)
         index, tensors = self._lookup(args, kwargs)
         plan = self._plans[index]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            if torch._C._functorch.maybe_current_level() is not None:
-                return plan.op(*tensors)  # torch.func transforms need the custom_vjp op
-            return plan.eager(*tensors)
+        if plan.differentiable and torch.is_grad_enabled():
+            needs = tuple(t.requires_grad for t in tensors)
+            if any(needs):
+                # Only the inputs that want gradients keep their backward steps' residuals (autograd
+                # records only what reaches them): under torch.func also every transform wrapper (a
+                # vmapped argument may carry an outer grad level's tracking).
+                if torch._C._functorch.maybe_current_level() is not None:
+                    needs = tuple(n or _is_wrapped(t) for n, t in zip(needs, tensors))
+                    return plan.variant(None if all(needs) else needs).run_op(*tensors)
+                return plan.variant(None if all(needs) else needs).eager(*tensors)
         return plan.infer(*tensors)
 
     def _plan_and_tensors(self, args, kwargs) -> tuple[Plan, list[Tensor]]:
@@ -596,7 +675,7 @@ class Fused:
                 # by bits: -0.0 == 0.0 would reuse a plan with the other sign, and nan != nan retrace forever
                 key.append((float, x.hex()))
             else:
-                key.append((type(x), x))
+                key.append(_static_key(x))
         key = tuple(key)
         try:
             index = self._index.get(key)
@@ -638,6 +717,20 @@ class Fused:
 
     def __repr__(self):
         return f"fuse({self.__name__})"
+
+
+def _static_key(x: Any) -> tuple:
+    """The cache key of a static leaf: its type and value, floating values by their bits (a float
+    subclass such as ``np.float64``, and numpy's other binary floats, compare -0.0 == 0.0 too)."""
+    if isinstance(x, float):
+        return (type(x), float(x).hex())
+    kind = getattr(getattr(x, "dtype", None), "kind", None)
+    if kind == "f" and type(x).__module__ == "numpy" and x.dtype.itemsize <= 8:  # (float() is exact)
+        return (type(x), float(x).hex())
+    return (type(x), x)
+
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _dict_keys(tree: tuple) -> tuple:
@@ -753,10 +846,10 @@ def _constant_key(tree: Any, tensors: list) -> Any:
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         names = tuple(f.name for f in dataclasses.fields(tree))
         return ("dc", type(tree), names, tuple(_constant_key(getattr(tree, n), tensors) for n in names))
-    if type(tree) is float:
+    if isinstance(tree, float):
         # by its bits (-0.0 is not 0.0: see Fused._lookup); .hex() also specialises a float Dynamo
         # made symbolic, where float() does not
-        return ("F", tree.hex())
+        return ("F", type(tree), tree.hex())
     return ("S", tree)
 
 
@@ -774,7 +867,7 @@ def _rebuild(key: Any) -> Any:
         return key[1](key[4], items) if issubclass(key[1], collections.defaultdict) else key[1](items)
     if kind == "dc":
         return rebuild_dataclass(key[1], key[2], [_rebuild(k) for k in key[3]])
-    return float.fromhex(key[1]) if kind == "F" else key[1]
+    return key[1](float.fromhex(key[2])) if kind == "F" else key[1]
 
 
 @torch._dynamo.assume_constant_result

@@ -208,3 +208,18 @@ def test_compiles_fullgraph_with_the_seed_as_an_argument():
         grads_ref = torch.autograd.grad((y_ref * y_ref).sum(), (x, w))
         assert torch.equal(y, y_ref) and all(torch.equal(g, r) for g, r in zip(grads, grads_ref))
     assert len(graphs) == 1
+
+
+@pytest.mark.parametrize(("name", "keeps_wq"), [("nvfp4", True), ("nvfp4_1d", False), ("fp8block", True)])
+def test_only_2d_weight_blocks_keep_the_quantized_weight(name, keeps_wq):
+    # With 1-D weight blocks dgrad quantizes Wᵀ afresh, but W_q (weight-sized, in the GEMM's dtype)
+    # was kept until backward all the same.
+    recipe = {"nvfp4_1d": functe.NVFP4BlockScaling(disable_2d_quantization=True)}.get(name) or RECIPES[name]
+    x, w = make((32, 64)).requires_grad_(), make((48, 64)).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = ops.fp8_linear(x, w, None, None, recipe=recipe, seed=torch.tensor(5))
+    weight_sized = [t for t in saved if t.shape == w.shape and t.untyped_storage().data_ptr() != w.data_ptr()]
+    assert bool(weight_sized) == keeps_wq
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    assert dx.isfinite().all()

@@ -148,3 +148,22 @@ def test_fused_functions_with_pytree_outputs_and_state_arguments_compile_fullgra
     assert all(torch.equal(a, b) for a, b in zip(functe.tree_leaves(out), functe.tree_leaves(expected[0])))
     assert all(torch.equal(a, b) for a, b in zip(grads, expected[1]))
     assert "_unflatten(" not in fused.plan(x, w, state).source  # spelled out in Python
+
+
+@pytest.mark.parametrize("fork", ["identity", "make_extra_output"])
+def test_compiled_fused_function_whose_outputs_are_one_tensor_at_run_time(fork):
+    # identity and make_extra_output hand back their input object: two distinct variables were one
+    # tensor returned twice by the fused Function, and Dynamo failed ("Placeholder node not found").
+    def fn(x):
+        y = 2.0 * x
+        return (y, ops.identity(y)) if fork == "identity" else (y, *ops.make_extra_output(y))
+
+    fused = functe.fuse(fn)
+    compiled = torch.compile(fused, backend="eager", fullgraph=True)
+    x = make((4, 3)).requires_grad_()
+    for f in (compiled, fused):
+        got, want = f(x), fn(x)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        cts = [torch.full_like(g, float(i + 1)) for i, g in enumerate(got)]
+        (dx,) = torch.autograd.grad(got, x, cts)
+        torch.testing.assert_close(dx, torch.autograd.grad(want, x, cts)[0], rtol=0, atol=0)

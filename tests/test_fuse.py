@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -310,6 +311,57 @@ def test_dict_key_order_and_key_types_are_part_of_the_signature():
     assert fused.trace_count == 5
 
 
+def test_a_captured_constant_output_is_returned_as_is_and_left_alone():
+    # The constant went out through the fused Function: autograd gave the caller's own tensor a
+    # grad_fn (and requires_grad), and the next trace refused it as a grad-requiring capture.
+    mask = torch.ones(3)
+    fused = functe.fuse(lambda x: (x * 2.0, mask))
+    for x in (make((3,)).requires_grad_(), make((2, 3)).requires_grad_()):
+        y, m = fused(x)
+        assert m is mask and not mask.requires_grad and mask.grad_fn is None
+        assert torch.equal(torch.autograd.grad(y.sum(), x)[0], torch.full_like(x, 2.0))
+    assert torch.equal(torch.func.grad(lambda x: fused(x)[0].sum())(make((3,))), torch.full((3,), 2.0))
+    assert torch.func.vmap(lambda x: fused(x)[1])(make((4, 3))).shape == (4, 3)
+    only = functe.fuse(lambda x: {"m": mask})  # nothing depends on x
+    assert only(make((3,)).requires_grad_())["m"] is mask and not mask.requires_grad
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.0])
+def test_a_zero_constant_scale_keeps_ieee_nan_in_the_fused_gemms(scale):
+    # BLAS skips the product at alpha = 0: 0·inf came out 0 instead of NaN from forward_linear_add
+    # and from backward_linear_scale (dW also lost its NaN row and the sign of its zeros).
+    inf = float("inf")
+    forward = lambda x, w, r: scale * ops.linear(x, w) + r
+    backward = lambda x, w: scale * ops.linear(x, w)
+    x, w, r = torch.tensor([[1.0, inf], [2.0, -3.0]]), make((2, 2)), make((2, 2))
+    assert plan_of(forward, x, w, r).stats["forward"].fired == {"forward_linear_scale_add": 1}
+    torch.testing.assert_close(functe.fuse(forward)(x, w, r), forward(x, w, r), rtol=0, atol=0, equal_nan=True)
+    x, w = make((2, 2)).requires_grad_(), make((2, 2)).requires_grad_()
+    assert plan_of(backward, x, w).stats["backward"].fired == {"backward_linear_scale": 1}
+    ct = torch.tensor([[inf, 1.0], [-2.0, 0.5]])
+    got = torch.autograd.grad(functe.fuse(backward)(x, w), (x, w), ct)
+    want = torch.autograd.grad(backward(x, w), (x, w), ct)
+    for g, e in zip(got, want):
+        assert g.isnan().any()
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(torch.signbit(g), torch.signbit(e))
+
+
+def test_numpy_float_static_arguments_are_keyed_by_their_bits():
+    # np.float64 (a float subclass) and np.float32 were keyed by ==: -0.0 reused the 0.0 plan, and
+    # each NaN call traced a new plan.
+    import numpy as np
+
+    x = make((2,))
+    for kind in (np.float64, np.float32):
+        fused = functe.fuse(lambda x, c: ops.constant_scale(x, float(c)))
+        fused(x, kind(0.0))
+        assert torch.equal(torch.signbit(fused(x, kind(-0.0))), torch.signbit(-x))
+        for _ in range(3):
+            fused(x, kind("nan"))
+        assert fused.trace_count == 3
+
+
 def test_output_dict_keys_keep_their_exact_types():
     # Spelled-out generated code wrote keys with repr(): an IntEnum key was a SyntaxError, a numpy
     # float a NameError, and an int subclass came back as a plain int.
@@ -399,6 +451,72 @@ def test_only_residuals_of_live_backward_steps_are_kept():
     assert [e.name for e in plan.liveness.residuals] == ["linear", "constant_scale"]
     assert plan.liveness.residuals[0].inputs[1] is plan.program.inputs[1]  # the live linear (w1)
     assert "residuals kept for the backward plan: linear, constant_scale" in plan.explain()
+
+
+def _saved_bytes(run) -> int:
+    """Bytes of distinct storages autograd saves while ``run()`` records its graph."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(storages.values()), out
+
+
+def _mlp(x, p):
+    h = ops.gelu(ops.linear(ops.layer_norm(x, p["g"], p["b"]), p["w1"], p["b1"]))
+    return ops.linear(h, p["w2"], p["b2"]) + x
+
+
+def test_frozen_inputs_keep_no_residuals_for_their_gradients():
+    # The fused plan asked every float input for a gradient: with only fc2 trainable it kept the norm's
+    # output and statistics, GELU's input and fc1's residuals (2.25x the unfused functe code), and
+    # computed gradients autograd then dropped.
+    x = make((16, 32))
+    p = {"g": make((32,)), "b": make((32,)), "w1": make((64, 32)), "b1": make((64,))}
+    p |= {"w2": make((32, 64)).requires_grad_(), "b2": make((32,)).requires_grad_()}
+    fused = functe.fuse(_mlp)
+    unfused_bytes, want = _saved_bytes(lambda: _mlp(x, p))
+    fused_bytes, got = _saved_bytes(lambda: fused(x, p))
+    assert fused_bytes <= unfused_bytes
+    leaves = [p["w2"], p["b2"]]
+    for g, e in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves)):
+        assert_close(g, e)
+    # every input trainable: the full plan, one trace for both
+    p = {k: v.detach().requires_grad_() for k, v in p.items()}
+    full_bytes, _ = _saved_bytes(lambda: fused(x, p))
+    assert full_bytes > fused_bytes and fused.trace_count == 1
+    # torch.func.grad over fc2 alone sees the other arguments as plain tensors: the same saving
+    frozen = {k: v.detach() for k, v in p.items()}
+    grads = torch.func.grad(lambda w2: fused(x, frozen | {"w2": w2}).sum())(frozen["w2"])
+    assert_close(grads, torch.func.grad(lambda w2: _mlp(x, frozen | {"w2": w2}).sum())(frozen["w2"]))
+    names = {k: i for i, k in enumerate(["x", *sorted(p)])}  # (the plan's tensor order: optree's)
+    only_w2 = tuple(k == "w2" for k in names)
+    assert [e.name for e in fused.plan(x, p).variant(only_w2).liveness.residuals] == ["linear", "add_extra_input"]
+
+
+def test_the_fused_backward_frees_each_cotangent_after_its_step():
+    # The generated backward held every intermediate cotangent until it returned (a higher peak than
+    # autograd, which frees a node's inputs once it has run).
+    seen = {}
+
+    def step(name, reads=None):
+        def bwd(_, ct):
+            seen[name] = weakref.ref(ct)
+            if reads is not None:
+                seen[f"{reads} alive at {name}"] = seen[reads]() is not None
+            return (ct * 2.0,)
+
+        return functe.custom_vjp(name, lambda x: (x * 2.0, None), bwd)
+
+    a, b, c = step("a", reads="b"), step("b"), step("c")
+    fused = functe.fuse(lambda x: c(b(a(x))))
+    x = make((4,)).requires_grad_()
+    torch.autograd.grad(fused(x).sum(), x)
+    assert seen["b alive at a"] is False  # b's cotangent (made by c's step) was freed before a's step
 
 
 def test_fuse_inside_a_trace_is_inlined():

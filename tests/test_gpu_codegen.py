@@ -231,11 +231,11 @@ def as_on_gpu(spec, config=None) -> tuple:
 
 
 def _specs(recorded) -> list:
-    return list(dict.fromkeys(as_on_gpu(specialisation(*launch)) for launch in recorded))
+    return list(dict.fromkeys(as_on_gpu(specialisation(*launch[:3])) for launch in recorded))
 
 
 def test_the_workload_launches_every_kernel(recorded):
-    launched = {kernel for kernel, _, _ in recorded}
+    launched = {kernel for kernel, *_ in recorded}
     missing = sorted(name for kernel, name in launchable_kernels().items() if kernel not in launched)
     assert not missing, f"kernels the codegen workload never launches: {missing}"
 
@@ -280,3 +280,30 @@ def test_gemm_compiles_in_its_largest_hopper_configs(recorded, operands, largest
         * (1 if operands == "fp8" else 2)
     )
     assert shared >= (config.num_stages - 1) * one_stage, (config, shared, one_stage)
+
+
+def test_every_launch_uses_a_one_dimensional_grid(recorded):
+    # CUDA takes 2^31 - 1 programs on grid axis 0 but 65,535 on axes 1 and 2: column blocks on axis 1
+    # failed for a row past ~8.4M elements (a flattened 4096x4096 weight). 2-D tilings launch a 1-D
+    # grid and split the program id (functe.kernels._triton.tile_ids).
+    grids = {kernel.fn.__name__: grid for kernel, _, _, grid in recorded}
+    assert grids and all(isinstance(g, tuple) and len(g) == 1 for g in grids.values()), grids
+
+
+def test_tiled_grid_refuses_a_launch_past_cudas_limit():
+    assert _triton.tiled_grid(3, 5) == (15,)
+    with pytest.raises(ValueError, match="exceeds CUDA"):
+        _triton.tiled_grid(2**16, 2**15)
+
+
+def test_compiled_launches_make_their_tensors_device_current(monkeypatch):
+    # Triton launches on the current CUDA device and rejects another device's pointers; nothing set
+    # the device, so an op on cuda:1 failed while cuda:0 was current.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        on_1, on_0 = torch.empty(2, device="cuda:1"), torch.empty(2, device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _triton.launch_device((3, on_1, on_0)) == torch.device("cuda:1")
+    assert _triton.launch_device((on_0, on_1)) is None
+    assert _triton.launch_device((torch.empty(2), on_1)) is None  # (a CPU launch: the interpreter's)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import sys
 
+import torch
 import triton
+import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from .._backend import interpreting
@@ -38,8 +40,19 @@ class _SwitchableJIT(JITFunction):
     def __getitem__(self, grid):
         if interpreting():
             launch = _quiet(self._interpreted()[grid])
-            return launch if _launch_log is None else _recorded(self, launch)
+            return launch if _launch_log is None else _recorded(self, launch, grid)
         return super().__getitem__(grid)
+
+    def run(self, *args, **kwargs):
+        # Compiled launches (kernel[grid](...) and the autotuner both end here). Triton launches on
+        # the *current* CUDA device and rejects pointers of another one ("Pointer argument cannot be
+        # accessed from Triton"): a tensor on cuda:1 while cuda:0 is current would fail, so the
+        # launch runs on its first tensor's device.
+        device = launch_device(args)
+        if device is None:
+            return super().run(*args, **kwargs)
+        with torch.cuda.device(device):
+            return super().run(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         # Only reached as a device-function call from an interpreted kernel:
@@ -62,12 +75,24 @@ class _SwitchableJIT(JITFunction):
             scope.restore()
 
 
+def launch_device(args) -> torch.device | None:
+    """The CUDA device a launch must make current: its first tensor argument's, when that is not
+    the current device already (``None``: nothing to switch)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            device = a.device
+            if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+                return None
+            return device
+    return None
+
+
 _launch_log: list | None = None
 
 
 @contextlib.contextmanager
 def record_launches():
-    """Collect ``(kernel, args, kwargs)`` of every interpreted launch in the block.
+    """Collect ``(kernel, args, kwargs, grid)`` of every interpreted launch in the block.
 
     The test suite compiles what it recorded for a GPU target (``tests/test_gpu_codegen.py``):
     the interpreter accepts code that Triton's compiler rejects, so passing interpreter tests
@@ -81,11 +106,11 @@ def record_launches():
         _launch_log = previous
 
 
-def _recorded(kernel, launch):
+def _recorded(kernel, launch, grid):
     log = _launch_log
 
     def run(*args, **kwargs):
-        log.append((kernel, args, kwargs))
+        log.append((kernel, args, kwargs, grid))
         return launch(*args, **kwargs)
 
     return run
@@ -187,3 +212,24 @@ def row_launch(n_cols: int, *, max_block: int = 65536) -> tuple[int, int]:
 
 
 ELEMENTWISE_BLOCK = 1024
+
+
+# CUDA grids take up to 2^31 - 1 programs on axis 0 but only 65,535 on axes 1 and 2, so a second axis
+# of column blocks fails on a wide row (a flattened 4096x4096 weight is one row of 2^24 elements).
+# Two-dimensional tilings therefore launch a 1-D grid and split the program id.
+
+
+@jit
+def tile_ids(n_col_programs):
+    """``(row program, column program)`` of a :func:`tiled_grid` launch (row-major: consecutive
+    programs share a row)."""
+    pid = tl.program_id(0)
+    return pid // n_col_programs, pid % n_col_programs
+
+
+def tiled_grid(n_row_programs: int, n_col_programs: int) -> tuple[int]:
+    """The 1-D grid of ``n_row_programs x n_col_programs`` programs that :func:`tile_ids` splits."""
+    n = n_row_programs * n_col_programs
+    if n >= 2**31:
+        raise ValueError(f"a launch of {n_row_programs} x {n_col_programs} programs exceeds CUDA's 2^31 - 1")
+    return (n,)

@@ -203,7 +203,7 @@ def _dact_kernel(
             y = _act.act_fwd(x, ACT)
     if HAS_S:
         partial = tl.sum(tl.where(mask, dy * y, 0.0), axis=1)
-        tl.store(DS_PARTIAL + (pid % n_col_blocks) * n_rows + rows, partial, mask=row_mask)
+        tl.store(DS_PARTIAL + (pid % n_col_blocks).to(tl.int64) * n_rows + rows, partial, mask=row_mask)
 
 
 # ----------------------------------------------------------------------------- launchers

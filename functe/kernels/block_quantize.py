@@ -35,7 +35,7 @@ import triton.language as tl
 from .._kernel import Kernel, Rowwise
 from . import _act, _fast
 from ._common import rows_view
-from ._triton import jit, next_power_of_2
+from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
 from .activation import activation_ref
 from .quantize import (
     CLAMPED_SWIGLU,
@@ -186,8 +186,9 @@ def _fp8_block_kernel(
     # held as 4-D tiles [block row, row in block, block column, column in block], ROW_CHUNK rows at a time.
     # KEEP (1x128 blocks only): also store v itself in H (x's dtype; v is already rounded to it, so the
     # store is exact): the activation's output and its quantized copy from one read of x.
-    rb = tl.program_id(0).to(tl.int64) * BLOCK_RB + tl.arange(0, BLOCK_RB)
-    cb = tl.program_id(1) * BLOCK_CB + tl.arange(0, BLOCK_CB)
+    pid_r, pid_c = tile_ids(tl.cdiv(n_blocks, BLOCK_CB))
+    rb = pid_r.to(tl.int64) * BLOCK_RB + tl.arange(0, BLOCK_RB)
+    cb = pid_c * BLOCK_CB + tl.arange(0, BLOCK_CB)
     cols = (cb[:, None] * 128 + tl.arange(0, 128)[None, :])[None, None, :, :]
     col_ok = cols < n_cols
     if TILE_ROWS == ROW_CHUNK:  # 1x128 blocks: one pass
@@ -239,7 +240,7 @@ def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_row
         block_rb, chunk = max(1, min(next_power_of_2(n_rows), 16 // block_cb)), 1
     else:
         block_cb, block_rb, chunk = 1, 1, 32
-    grid = (triton.cdiv(triton.cdiv(n_rows, block_rows), block_rb), triton.cdiv(n_blocks, block_cb))
+    grid = tiled_grid(triton.cdiv(triton.cdiv(n_rows, block_rows), block_rb), triton.cdiv(n_blocks, block_cb))
     _fp8_block_kernel[grid](
         rows,
         _storage(q),
@@ -518,19 +519,21 @@ def _fp8_block_dequantize_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    rows = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
-    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    pid_r, pid_c = tile_ids(tl.cdiv(n_cols, BLOCK_C))
+    rows = (pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
     q = decode_fp8(tl.load(D + rows * n_cols + cols, mask=mask, other=0), MANT, BIAS, FN)
     s = block_scale_at(S, rows, cols, n_blocks, mask, BLOCK_ROWS, 128)
     tl.store(Y + rows * n_cols + cols, (q * s).to(Y.dtype.element_ty), mask=mask)
 
 
-def dequantize_grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
-    """(grid, BLOCK_R, BLOCK_C) of an elementwise dequantize over a ``[n_rows, n_cols]`` matrix."""
+def dequantize_grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int]:
+    """(grid, BLOCK_R, BLOCK_C) of an elementwise dequantize over a ``[n_rows, n_cols]`` matrix (the
+    kernel splits its program id with ``tile_ids(cdiv(n_cols, BLOCK_C))``)."""
     block_c = min(next_power_of_2(n_cols), 128)
     block_r = max(1, min(next_power_of_2(n_rows), 2048 // block_c))
-    return (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c)), block_r, block_c
+    return tiled_grid(triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c)), block_r, block_c
 
 
 def fp8_block_dequantize(data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype) -> Tensor:

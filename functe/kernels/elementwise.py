@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .._kernel import Kernel, Rowwise
 from ._common import as_rows, column_sums, compute_dtype, tl_compute_dtype
-from ._triton import ELEMENTWISE_BLOCK, jit, next_power_of_2
+from ._triton import ELEMENTWISE_BLOCK, jit, next_power_of_2, tile_ids, tiled_grid
 
 Tensor = torch.Tensor
 
@@ -59,8 +59,9 @@ def axpby_ref(x: Tensor, e: Tensor | None, alpha: float, beta: float) -> Tensor:
 
 @jit
 def _add_bias_kernel(X, B, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pid_r, pid_c = tile_ids(tl.cdiv(n_cols, BLOCK_C))
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     offs = rows[:, None] * n_cols + cols[None, :]
     b = tl.load(B + cols, mask=cols < n_cols).to(COMPUTE)
@@ -76,7 +77,7 @@ def add_bias(x: Tensor, b: Tensor) -> Tensor:
     if rows.numel():
         block_c = min(next_power_of_2(n_cols), 256)
         block_r = max(1, 2048 // block_c)
-        grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+        grid = tiled_grid(triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
         _add_bias_kernel[grid](
             rows,
             b.contiguous(),
@@ -102,8 +103,8 @@ def _column_partial_sums_kernel(
 ):
     # Program (i, j) sums rows [i*rows_per_program, (i+1)*rows_per_program) of
     # column block j into P[i, block j]; the launcher then reduces P over i.
-    pid_r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pid_r, pid_c = tile_ids(tl.cdiv(n_cols, BLOCK_C))
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
     acc = tl.zeros((BLOCK_C,), dtype=COMPUTE)
     start = pid_r.to(tl.int64) * rows_per_program
@@ -112,7 +113,7 @@ def _column_partial_sums_kernel(
         mask = (rows[:, None] < n_rows) & (rows[:, None] < start + rows_per_program) & col_mask[None, :]
         tile = tl.load(DY + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
         acc += tl.sum(tile, axis=0)
-    tl.store(P + pid_r * n_cols + cols, acc, mask=col_mask)
+    tl.store(P + pid_r.to(tl.int64) * n_cols + cols, acc, mask=col_mask)
 
 
 _PARTIAL_PROGRAMS = 256
@@ -130,7 +131,7 @@ def bias_grad(dy: Tensor) -> Tensor:
     rows_per_program = max(triton.cdiv(n_rows, _PARTIAL_PROGRAMS), block_r)
     n_programs = triton.cdiv(n_rows, rows_per_program)
     partials = torch.empty((n_programs, n_cols), dtype=acc, device=dy.device)
-    grid = (n_programs, triton.cdiv(n_cols, block_c))
+    grid = tiled_grid(n_programs, triton.cdiv(n_cols, block_c))
     _column_partial_sums_kernel[grid](
         rows,
         partials,

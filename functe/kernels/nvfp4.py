@@ -37,7 +37,7 @@ import triton.language as tl
 from .._kernel import Kernel
 from . import _fast
 from ._common import rows_view
-from ._triton import jit, next_power_of_2
+from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
 from .block_quantize import (
     _MODE_ACT,
     _MODE_CAST,
@@ -162,8 +162,9 @@ def _nvfp4_kernel(
     # Program (i, j): BLOCK_RB scaling blocks of TILE_ROWS rows x BLOCK_CB blocks of 16 columns, as
     # 4-D tiles [block row, row in block, block column, pair in block]; even and odd lanes are
     # loaded separately, so a pair's two codes meet in one byte without shuffles.
-    rb = tl.program_id(0).to(tl.int64) * BLOCK_RB + tl.arange(0, BLOCK_RB)
-    cb = tl.program_id(1) * BLOCK_CB + tl.arange(0, BLOCK_CB)
+    pid_r, pid_c = tile_ids(tl.cdiv(n_blocks, BLOCK_CB))
+    rb = pid_r.to(tl.int64) * BLOCK_RB + tl.arange(0, BLOCK_RB)
+    cb = pid_c * BLOCK_CB + tl.arange(0, BLOCK_CB)
     rows = (rb[:, None] * TILE_ROWS + tl.arange(0, TILE_ROWS)[None, :])[:, :, None, None]
     even = (cb[:, None] * 16 + 2 * tl.arange(0, 8)[None, :])[None, None, :, :]
     mask_e = (rows < n_rows) & (even < n_cols)
@@ -221,7 +222,7 @@ def nvfp4_cast(
         return q, scales
     block_cb = min(next_power_of_2(n_blocks), 8)
     block_rb = max(1, min(next_power_of_2(triton.cdiv(n_rows, tile_rows)), 128 // (block_cb * tile_rows)))
-    grid = (triton.cdiv(triton.cdiv(n_rows, tile_rows), block_rb), triton.cdiv(n_blocks, block_cb))
+    grid = tiled_grid(triton.cdiv(triton.cdiv(n_rows, tile_rows), block_rb), triton.cdiv(n_blocks, block_cb))
     _nvfp4_kernel[grid](
         rows,
         amax.to(torch.float32),
@@ -384,8 +385,9 @@ def _nvfp4_dequantize_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    rows = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
-    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    pid_r, pid_c = tile_ids(tl.cdiv(n_cols, BLOCK_C))  # (the grid of dequantize_grid)
+    rows = (pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
     byte = tl.load(D + rows * (n_cols // 2) + cols // 2, mask=mask, other=0).to(tl.int32)
     q = decode_e2m1(tl.where(cols % 2 == 0, byte & 0xF, byte >> 4))

@@ -41,7 +41,7 @@ import triton.language as tl
 from .._kernel import Kernel, Rowwise
 from . import _act
 from ._common import as_rows, column_sums
-from ._triton import jit, next_power_of_2
+from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
 from .activation import activation_ref, dactivation_ref
 
 Tensor = torch.Tensor
@@ -173,8 +173,8 @@ def _quantize_kernel(
 ):
     # Program (i, j) handles rows [i*rows_per_program, (i+1)*rows_per_program) of column block j:
     # partial amax -> AMAX[i, j], partial column sums (dbias) -> DB[i, block j].
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    n_col_programs = tl.cdiv(n_cols, BLOCK_C)
+    pid_r, pid_c = tile_ids(n_col_programs)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
     scale = tl.load(S).to(tl.float32)
@@ -211,9 +211,9 @@ def _quantize_kernel(
                 q = v  # high precision (dact + dbias without a cast)
             tl.store(Q + rows[:, None] * n_cols + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     amax = tl.where(tl.max(col_nan, axis=0) > 0, float("nan"), tl.max(col_amax, axis=0))
-    tl.store(AMAX + pid_r * tl.num_programs(1) + pid_c, amax)
+    tl.store(AMAX + pid_r * n_col_programs + pid_c, amax)
     if DBIAS:
-        tl.store(DB + pid_r * n_cols + cols, col_sum, mask=col_mask)
+        tl.store(DB + pid_r.to(tl.int64) * n_cols + cols, col_sum, mask=col_mask)
 
 
 def fp8_constexprs(qdtype: torch.dtype, out_dtype: torch.dtype) -> dict:
@@ -258,8 +258,9 @@ def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, wr
     block_r = max(1, min(next_power_of_2(n_rows), 2048 // block_c))
     rows_per_program = max(triton.cdiv(n_rows, _PARTIAL_PROGRAMS), block_r)
     n_programs = triton.cdiv(n_rows, rows_per_program)
-    grid = (n_programs, triton.cdiv(n_cols, block_c))
-    partial_amax = torch.empty(grid, dtype=torch.float32, device=x.device)
+    n_col_programs = triton.cdiv(n_cols, block_c)
+    grid = tiled_grid(n_programs, n_col_programs)
+    partial_amax = torch.empty((n_programs, n_col_programs), dtype=torch.float32, device=x.device)
     partial_sums = torch.empty((n_programs, n_cols) if dbias else (1,), dtype=torch.float32, device=x.device)
     act_id = _act.ACTIVATIONS.get(_act.GATED.get(act, act), 0) if act else 0
     _quantize_kernel[grid](
@@ -561,8 +562,9 @@ def _mxfp8_kernel(
     BLOCK_B: tl.constexpr,
 ):
     # A tile of BLOCK_R rows x BLOCK_B scaling blocks of 32 columns each.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    blocks = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    pid_r, pid_c = tile_ids(tl.cdiv(n_blocks, BLOCK_B))
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    blocks = pid_c * BLOCK_B + tl.arange(0, BLOCK_B)
     cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
     mask = (rows[:, None, None] < n_rows) & (cols[None, :, :] < n_cols)
     offs = rows[:, None, None] * n_cols + cols[None, :, :]
@@ -615,7 +617,7 @@ def mxfp8_cast(x: Tensor, qdtype: torch.dtype, out_dtype: torch.dtype) -> tuple[
         fmt = FP8_FORMATS[qdtype]
         block_b = min(next_power_of_2(n_blocks), 4)
         block_r = max(1, min(next_power_of_2(n_rows), 2048 // (32 * block_b)))
-        grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_blocks, block_b))
+        grid = tiled_grid(triton.cdiv(n_rows, block_r), triton.cdiv(n_blocks, block_b))
         _mxfp8_kernel[grid](
             rows,
             _storage(q),

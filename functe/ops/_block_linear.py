@@ -58,8 +58,10 @@ def forward_quantized(x, xq, sx, weight, bias, seed, *, recipe):
     wq, sw, _ = cast_block(weight, recipe, "weight", None, dtype)
     y = gemm_nt(xq, _inv(sx), wq, _inv(sw), out_dtype=x.dtype, bias=bias)
     # 2-D weight blocks are the same for W and Wᵀ: dgrad reuses W_q (an intermediate residual, so
-    # second derivatives raise, as for every quantized linear).
-    residuals = (x, weight, wq, _inv(sw), seed, bias is not None)
+    # second derivatives raise, as for every quantized linear). 1-D blocks run along K, and dgrad
+    # quantizes Wᵀ afresh: W_q is not kept (a dead residual held a weight-sized copy until backward).
+    reuse = recipe.block_shape("weight")[0] > 1
+    residuals = (x, weight, wq if reuse else None, _inv(sw) if reuse else None, seed, bias is not None)
     return y.reshape(*x.shape[:-1], weight.shape[0]), residuals
 
 

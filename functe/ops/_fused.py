@@ -75,7 +75,11 @@ def _forward_linear_add_fwd(x, weight, bias, extra, *, scale, bias_op):
         # One kernel: y = extra + (s·x·Wᵀ + bias), one rounding. (The epilogue adds the bias after
         # alpha, so a scaled bias takes the path below; the scale rule declines biased linears.)
         return GEMM(x, weight, bias, extra, s), res
-    if bias is None:
+    if bias is None and s == 0.0:
+        # BLAS skips the product at alpha = 0, where 0·inf must stay NaN (and -0.0 keep its sign):
+        # the product, then extra + s·h in one pass, as the unfused chain (0·h is exact).
+        y = torch.add(rows_view(extra), torch.mm(rows_view(x), weight.t()), alpha=s)
+    elif bias is None:
         # y = s·x·Wᵀ + extra: the GEMM accumulates into the residual (beta = 1, alpha = s), one rounding.
         y = torch.addmm(rows_view(extra), rows_view(x), weight.t(), alpha=s)
     else:
@@ -170,6 +174,10 @@ def _backward_linear_scale_bwd(res, dy, *, scale):
             return dx, GEMM_WGRAD(dy, x, None, scale), None
         dweight, dbias = GEMM_WGRAD_DBIAS(dy, x, None, scale)  # dbias comes unscaled
         return dx, dweight, AXPBY(dbias, None, scale, 0.0)
+    if scale == 0.0:
+        # BLAS skips the products at alpha = 0, where 0·inf must stay NaN: the unfused chain.
+        (dh,) = _scale_bwd(None, dy, scale=scale)
+        return _linear_bwd((x, weight, has_bias), dh)
     dy2 = rows_view(dy)
     zero = dy.new_zeros(())  # ignored: beta = 0
     dx = torch.addmm(zero, dy2, weight, beta=0, alpha=scale).view(*x.shape[:-1], weight.shape[1])
