@@ -24,12 +24,9 @@ from codegen_helpers import HAVE_PTXAS, ASTSource, GPUTarget, triton
 import functe
 from functe import ops
 from functe._block_quantize import cast_act_block_keep
-from functe.kernels import _gemm_configs, _triton, gemm, gemm_fp8, norm_block_quantize, norm_quantize
+from functe.kernels import _gemm_configs, _triton, gemm, gemm_fp8, norm, norm_block_quantize, norm_quantize
 
-pytestmark = [
-    pytest.mark.skipif(not HAVE_PTXAS, reason="Triton's NVIDIA backend (ptxas) is not installed"),
-    pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset:UserWarning"),
-]
+pytestmark = [pytest.mark.skipif(not HAVE_PTXAS, reason="Triton's NVIDIA backend (ptxas) is not installed")]
 
 BF16 = torch.bfloat16
 H100_SHARED_MEMORY = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
@@ -112,7 +109,9 @@ def compile_for_sm90(spec):
     kernel, signature, constexprs, options, attrs = spec
     attrs = {key: [list(a) for a in value] for key, value in attrs}
     source = ASTSource(fn=kernel, signature=dict(signature), constexprs=dict(constexprs), attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(options))
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={**_triton.COMPILE_OPTIONS, **dict(options)}
+    )
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -307,3 +306,15 @@ def test_compiled_launches_make_their_tensors_device_current(monkeypatch):
     assert _triton.launch_device((3, on_1, on_0)) == torch.device("cuda:1")
     assert _triton.launch_device((on_0, on_1)) is None
     assert _triton.launch_device((torch.empty(2), on_1)) is None  # (a CPU launch: the interpreter's)
+
+
+def test_norm_statistics_use_ieee_sqrt_and_division_on_the_gpu(recorded, tmp_path, monkeypatch):
+    # tl.sqrt compiled to sqrt.approx.ftz: a subnormal variance (eps = 0) flushed to 0 and rstd = inf
+    # on a GPU, where the interpreter and the twins stay finite.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kernels = (norm._norm_fwd_kernel, norm_quantize._norm_cast_kernel, norm_block_quantize._norm_block_cast_kernel)
+    specs = [s for s in _specs(recorded) if s[0] in kernels and dict(s[1])["X"] != "*fp64"]  # (fp32 math)
+    assert {s[0] for s in specs} == set(kernels)
+    for spec in specs:
+        ptx = compile_for_sm90(spec).asm["ptx"]
+        assert "sqrt.rn.f32" in ptx and "sqrt.approx" not in ptx, spec[0].__name__

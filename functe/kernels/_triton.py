@@ -22,6 +22,9 @@ from triton.runtime.jit import JITFunction
 
 from .._backend import interpreting
 
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+"""Compile options of every GPU launch (``tests/test_gpu_codegen.py`` compiles with them too)."""
+
 
 class _SwitchableJIT(JITFunction):
     """A ``JITFunction`` that defers to an ``InterpretedFunction`` in interpret mode."""
@@ -48,6 +51,9 @@ class _SwitchableJIT(JITFunction):
         # the *current* CUDA device and rejects pointers of another one ("Pointer argument cannot be
         # accessed from Triton"): a tensor on cuda:1 while cuda:0 is current would fail, so the
         # launch runs on its first tensor's device.
+        # FMA contraction pinned (Triton 3.9 enables it by default, warns, and 3.10 disables it): the
+        # GPU bits must not change with a Triton upgrade.
+        kwargs.update(COMPILE_OPTIONS)
         device = launch_device(args)
         if device is None:
             return super().run(*args, **kwargs)

@@ -63,7 +63,14 @@ def normalize_rows(x, mask, inv_n, eps, CENTER: tl.constexpr):
     if CENTER:
         mean = tl.sum(x, axis=1) * inv_n
         x = tl.where(mask, x - mean[:, None], 0.0)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+    # Correctly rounded sqrt and division: tl.sqrt compiles to sqrt.approx.ftz on a GPU, which flushes
+    # a subnormal variance (eps = 0) to 0 and gives r = inf where the twins stay finite.
+    # (fp64, for gradcheck, is IEEE already and has no _rn variants.)
+    var = tl.sum(x * x, axis=1) * inv_n + eps
+    if var.dtype == tl.float32:
+        r = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var))
+    else:
+        r = 1.0 / tl.sqrt(var)
     if not CENTER:
         mean = tl.zeros_like(r)
     xhat = tl.where(mask, x * r[:, None], 0.0)
