@@ -242,11 +242,22 @@ class _Liveness:
             if any(isinstance(a, Var) and a in needs for a in e.inputs):
                 needs.update(v for v in e.outputs if _is_float_var(v))
         has = {a for a in program.outputs if _is_float_var(a) and a in needs}
+
+        def wanted_step(e: Eqn) -> bool:
+            return any(isinstance(a, Var) and a in needs for a in e.inputs)
+
+        # A fused backward step runs the backward of every op it covers; where one of them has no
+        # input that wants a gradient (a frozen FP8 linear under a trainable bias), the covered ops'
+        # own steps run instead, so that op keeps no residuals and costs no GEMMs, as unfused.
+        steps: list[Eqn] = []
+        for e in backward.eqns:
+            if e.phase == "backward" and not all(wanted_step(c) for c in e.covers):
+                steps.extend(e.covers)
+            else:
+                steps.append(e)
         live: list[Eqn] = []
-        for e in reversed(backward.eqns):
-            if any(v in has for v in e.outputs if v is not None) and any(
-                isinstance(a, Var) and a in needs for a in e.inputs
-            ):
+        for e in reversed(steps):
+            if any(v in has for v in e.outputs if v is not None) and wanted_step(e):
                 live.append(e)
                 has.update(a for a in e.inputs if isinstance(a, Var) and a in needs)
         self.needs = needs
@@ -289,7 +300,7 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
         if not in_function:
             return em.pack([em.atom(a) for a in program.outputs], program.out_tree)
         # Inside the Function: constants (a captured tensor the program returns) are left out and put
-        # back by the caller (Plan.constant_outputs): as outputs of the Function, autograd would give
+        # back by the caller (with_constants, below): as outputs of the Function, autograd would give
         # the caller's own tensor a grad_fn. Variables go through _distinct (see there).
         items = [em.atom(a) if isinstance(a, Var) else "None" for a in program.outputs]
         if any(isinstance(a, Var) for a in program.outputs):
@@ -381,7 +392,16 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
                 items.append(f"_zeros_or({g}, {meta})" if g else f"_zeros({meta})")
         owners = _owners(e)
         res = res_names[e] if e.phase != "backward" else f"({''.join(f'{res_names[o]}, ' for o in owners)})"
-        em.emit(f"_c = {em.glob(e.op.bwd, 'b')}({res}, {em.pack(items, e.out_tree)}{em.params(e)})")
+        needs = ""
+        if getattr(e.op, "needs_input_grad", False):
+            # which of the step's arguments want cotangents: known per plan variant (see custom_vjp)
+            flags, offset = [], 0
+            for child in e.in_tree.children():
+                atoms = e.inputs[offset : offset + child.num_leaves]
+                offset += child.num_leaves
+                flags.append(any(isinstance(a, Var) and a in live.needs for a in atoms))
+            needs = f", needs_input_grad={tuple(flags)!r}"
+        em.emit(f"_c = {em.glob(e.op.bwd, 'b')}({res}, {em.pack(items, e.out_tree)}{em.params(e)}{needs})")
         # The step consumed its outputs' cotangents (complete: a variable has one producing step):
         # drop them, so an intermediate gradient is freed here, as autograd frees a node's inputs.
         done = [grads[v] for v in e.outputs if v is not None and v in grads]
@@ -452,7 +472,16 @@ class Plan:
         backward steps read (a frozen input's branch saves nothing, as in autograd)."""
         variant = self._variants.get(needs_grad)
         if variant is None:
-            variant = self._variants[needs_grad] = _Variant(self, needs_grad)
+            # (a non-float input, a seed say, never wants a gradient: it does not make a variant)
+            inputs = self.program.inputs
+            wanted = (
+                None if needs_grad is None else [n or not v.dtype.is_floating_point for v, n in zip(inputs, needs_grad)]
+            )
+            if wanted is None or all(wanted):
+                variant = self._variants.get(None) or _Variant(self, None)
+            else:
+                variant = _Variant(self, tuple(wanted))
+            self._variants[needs_grad] = variant
         return variant
 
     def run_op(self, *tensors):
@@ -501,8 +530,10 @@ class _Variant:
         # symbolic zeros: an output nobody uses has no cotangent, and the backward plan skips the
         # steps that only it reaches (as autograd skips the unfused nodes; an FP8 state is kept).
         self.op = custom_vjp(f"fused_{name}", namespace["forward"], namespace["bwd"], symbolic_zeros=True)
+        # per output leaf: whether no input that wants a gradient reaches it
+        constant = tuple(not (isinstance(a, Var) and a in self.liveness.needs) for a in program.outputs)
         eager = _eager_function(
-            f"fused_{name}_eager", namespace["forward"], backward, namespace["_backward_op"], program.out_tree
+            f"fused_{name}_eager", namespace["forward"], backward, namespace["_backward_op"], program.out_tree, constant
         )
         if not all(isinstance(a, Var) for a in program.outputs):
             self.eager = lambda *tensors: self.with_constants(eager(*tensors))
@@ -517,7 +548,9 @@ class _Variant:
 _SAVED = object()  # marks a residual leaf kept with save_for_backward
 
 
-def _eager_function(name: str, forward: Callable, backward: Callable, backward_op, out_tree) -> Callable:
+def _eager_function(
+    name: str, forward: Callable, backward: Callable, backward_op, out_tree, constant_outputs: tuple[bool, ...]
+) -> Callable:
     """The fused op for plain eager autograd (no torch.func transform, not compiling).
 
     Same semantics as the custom_vjp op (``Plan.op``) with a fraction of its
@@ -548,6 +581,8 @@ def _eager_function(name: str, forward: Callable, backward: Callable, backward_o
         anchor = [higher_order_anchor(saved[0])] if n_new else []
         ctx.save_for_backward(*saved, *anchor)
         ctx.residual_layout = (res_tree, layout, n_new)
+        # outputs no trainable input reaches do not require grad, as unfused
+        ctx.mark_non_differentiable(*(o for o, c in zip(out_leaves, constant_outputs) if c and isinstance(o, Tensor)))
         return (*out_leaves, *anchor)
 
     def bwd(ctx, *grads):
@@ -652,10 +687,12 @@ class Fused:
                 # Only the inputs that want gradients keep their backward steps' residuals (autograd
                 # records only what reaches them): under torch.func also every transform wrapper (a
                 # vmapped argument may carry an outer grad level's tracking).
-                if torch._C._functorch.maybe_current_level() is not None:
+                functorch = torch._C._functorch.maybe_current_level() is not None
+                if functorch:
                     needs = tuple(n or _is_wrapped(t) for n, t in zip(needs, tensors))
-                    return plan.variant(None if all(needs) else needs).run_op(*tensors)
-                return plan.variant(None if all(needs) else needs).eager(*tensors)
+                variant = plan.variant(None if all(needs) else needs)
+                if variant.liveness.live:  # (else no output depends on a trainable input)
+                    return variant.run_op(*tensors) if functorch else variant.eager(*tensors)
         return plan.infer(*tensors)
 
     def _plan_and_tensors(self, args, kwargs) -> tuple[Plan, list[Tensor]]:
@@ -701,7 +738,7 @@ class Fused:
         if previous is not None and len(previous) == len(key) and previous[:2] == key[:2]:
             for leaf, old, new in zip(leaves, previous[2:], key[2:]):
                 if old != new and not isinstance(leaf, Tensor):
-                    changed.append(f"{old[1]!r} -> {new[1]!r}")
+                    changed.append(f"{_shown(old)} -> {_shown(new)}")
         what = f"static leaves changed: {', '.join(changed)}; " if changed else ""
         warnings.warn(
             f"functe.fuse({self.__name__}) has traced {self.trace_count} input signatures (each plan is kept); "
@@ -719,13 +756,22 @@ class Fused:
         return f"fuse({self.__name__})"
 
 
+def _shown(entry: tuple) -> str:
+    """A static leaf's key entry as the value it stands for (floats are keyed by their hex bits)."""
+    kind, value = entry
+    if isinstance(value, str) and kind is not str:
+        return repr(float.fromhex(value))  # (only floats are keyed by a string of another type)
+    return repr(value)
+
+
 def _static_key(x: Any) -> tuple:
     """The cache key of a static leaf: its type and value, floating values by their bits (a float
     subclass such as ``np.float64``, and numpy's other binary floats, compare -0.0 == 0.0 too)."""
     if isinstance(x, float):
         return (type(x), float(x).hex())
     kind = getattr(getattr(x, "dtype", None), "kind", None)
-    if kind == "f" and type(x).__module__ == "numpy" and x.dtype.itemsize <= 8:  # (float() is exact)
+    numpy_scalar = type(x).__module__ == "numpy" and type(x).__name__ != "ndarray"  # (an array is unhashable)
+    if kind == "f" and numpy_scalar and x.dtype.itemsize <= 8:  # (float() is exact; the type keys the dtype)
         return (type(x), float(x).hex())
     return (type(x), x)
 

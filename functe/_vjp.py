@@ -167,6 +167,11 @@ class CustomVJP:
             zero (unused outputs) instead of materialising zeros.
         batching: ``"forward"`` (vmap runs the forward rule batched) or ``None``
             (vmap raises :class:`~functe.TransformError`).
+        needs_input_grad: call ``bwd`` with the keyword ``needs_input_grad``, one
+            flag per positional argument (whether any of its tensors wants a
+            cotangent at this level), so it can skip work whose result autograd
+            would drop (a frozen weight's wgrad GEMM); it may return ``None``
+            for an unflagged argument.
 
     Example:
         >>> import torch
@@ -187,6 +192,7 @@ class CustomVJP:
         *,
         symbolic_zeros: bool = False,
         batching: str | None = "forward",
+        needs_input_grad: bool = False,
     ):
         if batching not in ("forward", None):
             raise RuleError(f"custom_vjp {name}: batching must be 'forward' or None, got {batching!r}")
@@ -195,7 +201,8 @@ class CustomVJP:
         self.bwd = bwd
         self.symbolic_zeros = symbolic_zeros
         self.batching = batching
-        self.function = _make_function(name, fwd, bwd, symbolic_zeros, batching, forward_mode=True)
+        self.needs_input_grad = needs_input_grad
+        self.function = _make_function(name, fwd, bwd, symbolic_zeros, batching, needs_input_grad, forward_mode=True)
         # Dynamo refuses Functions that define ``jvp``; compiled code gets a
         # twin class without it (forward-mode AD is not traced by compile).
         self.compiled_function = _make_function(name, fwd, bwd, symbolic_zeros, batching, forward_mode=False)
@@ -243,6 +250,7 @@ def custom_vjp(
     *,
     symbolic_zeros: bool = False,
     batching: str | None = "forward",
+    needs_input_grad: bool = False,
 ) -> CustomVJP:
     """Define an op from a forward rule and a backward rule (see :class:`CustomVJP`).
 
@@ -259,7 +267,9 @@ def custom_vjp(
         >>> torch.func.grad(lambda x: torch.func.grad(lambda x: cube(x).sum())(x).sum())(x).item()
         12.0
     """
-    return CustomVJP(name, fwd, bwd, symbolic_zeros=symbolic_zeros, batching=batching)
+    return CustomVJP(
+        name, fwd, bwd, symbolic_zeros=symbolic_zeros, batching=batching, needs_input_grad=needs_input_grad
+    )
 
 
 def _refuse_compiled_transforms(name: str) -> None:
@@ -402,8 +412,26 @@ def check_gradients(name: str, grads, in_meta: list, hint: str = "") -> None:
             )
 
 
+def _argument_needs(leaf_needs: tuple, call: _Call) -> tuple[bool, ...]:
+    """Per positional argument, whether any of its leaves wants a cotangent (``leaf_needs``: the
+    Function's ``ctx.needs_input_grad``, whose first entry is the call)."""
+    flags, offset = [], 1
+    for tree in call.in_tree.children():
+        n = tree.num_leaves
+        flags.append(any(leaf_needs[offset : offset + n]))
+        offset += n
+    return tuple(flags)
+
+
 def _make_function(
-    name: str, fwd: Callable, bwd: Callable, symbolic_zeros: bool, batching: str | None, *, forward_mode: bool
+    name: str,
+    fwd: Callable,
+    bwd: Callable,
+    symbolic_zeros: bool,
+    batching: str | None,
+    needs_input_grad: bool = False,
+    *,
+    forward_mode: bool,
 ) -> type[torch.autograd.Function]:
     # The staticmethods close over plain functions and values only: Dynamo
     # cannot rebuild arbitrary objects (such as the CustomVJP) inside the
@@ -454,7 +482,8 @@ def _make_function(
             for i, (g, meta) in enumerate(zip(out_cts, ctx.out_meta)):
                 if g is None and meta is not None:
                     out_cts[i] = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
-        cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **call.static)
+        extra = {"needs_input_grad": _argument_needs(ctx.needs_input_grad, call)} if needs_input_grad else {}
+        cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **extra, **call.static)
         flat = _flatten_cotangents(name, call, cts, ctx.in_meta)
         if layout.n_new and torch.is_grad_enabled():
             flat = _guard(name, flat, next(saved))

@@ -225,3 +225,79 @@ def test_other_argument_errors():
         ops.constant_scale(torch.zeros(2), torch.tensor(2.0))
     with pytest.raises(functe.FuncteError):  # the family catches every class
         ops.linear(torch.zeros(4, 16), torch.zeros(8, 15))
+
+
+class _GemmCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products (mm/addmm/bmm) dispatched while active."""
+
+    GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
+
+    def __init__(self):
+        super().__init__()
+        self.gemms = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.gemms += str(func).startswith(self.GEMMS)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_gemms(fn, args, wrt) -> int:
+    out = fn(*args)
+    with _GemmCounter() as counter:
+        torch.autograd.grad(out.sum(), wrt)
+    return counter.gemms
+
+
+def _block(x, w1, b1, w2):
+    return ops.linear(ops.gelu(ops.linear(x, w1, b1)), w2) * 0.5 + x
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_frozen_weights_cost_no_weight_gradient_gemm(fused):
+    # linear's backward computed dW whatever autograd wanted: a frozen weight (adapter or bias-only
+    # fine-tuning) cost a third more backward GEMMs than eager torch, which skips it.
+    fn = functe.fuse(_block) if fused else _block
+    x, w1, b1, w2 = make((8, 16)), make((32, 16)), make((32,)), make((16, 32))
+    trainable_x = x.clone().requires_grad_()
+    assert _backward_gemms(fn, (trainable_x, w1, b1, w2), trainable_x) == 2  # two dgrads
+    trainable_w2 = w2.clone().requires_grad_()
+    assert _backward_gemms(fn, (x, w1, b1, trainable_w2), trainable_w2) == 1  # fc2's wgrad alone
+    every = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+    assert _backward_gemms(fn, every, every) == 4
+    for args in ((trainable_x, w1, b1, w2), (x, w1, b1, trainable_w2), every):
+        wrt = [a for a in args if a.requires_grad]
+        got = torch.autograd.grad(fn(*args).sum(), wrt)
+        want = torch.autograd.grad(_block(*args).sum(), wrt)
+        for g, e in zip(got, want):
+            assert_close(g, e)
+    # torch.func: only the differentiated argument's gradient is computed
+    grad_w2 = torch.func.grad(lambda w: fn(x, w1, b1, w).sum())(w2)
+    assert_close(grad_w2, torch.func.grad(lambda w: _block(x, w1, b1, w).sum())(w2))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        functe.CurrentScaling(),
+        functe.MXFP8BlockScaling(),
+        functe.DelayedScaling(),
+        functe.Float8BlockScaling(),
+        functe.NVFP4BlockScaling(),
+    ],
+    ids=lambda r: type(r).__name__,
+)
+def test_a_frozen_fp8_weight_costs_no_wgrad_gemm(recipe):
+    state = functe.init_linear_scaling_state(recipe)
+    seed = torch.tensor(3) if isinstance(recipe, functe.NVFP4BlockScaling) else None
+
+    def fn(x, w):
+        y = ops.fp8_linear(x, w, None, state, recipe=recipe, seed=seed)
+        return y[0] if isinstance(y, tuple) else y
+
+    x, w = make((32, 64)), make((16, 64))
+    trainable_x, trainable_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    assert _backward_gemms(fn, (trainable_x, w), trainable_x) == 1
+    assert _backward_gemms(fn, (x, trainable_w), trainable_w) == 1
+    assert _backward_gemms(fn, (trainable_x, trainable_w), (trainable_x, trainable_w)) == 2
+    (dx,) = torch.autograd.grad(fn(trainable_x, w).sum(), trainable_x)
+    assert torch.equal(dx, torch.autograd.grad(fn(trainable_x, trainable_w).sum(), trainable_x)[0])

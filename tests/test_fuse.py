@@ -288,6 +288,7 @@ def test_a_static_value_changing_every_call_warns_once_naming_it():
     [warning] = [w for w in caught if issubclass(w.category, functe.RetraceWarning)]
     assert f"traced {_fuse.RETRACE_WARNING} input signatures" in str(warning.message)
     assert f"static leaves changed: {_fuse.RETRACE_WARNING - 2} -> {_fuse.RETRACE_WARNING - 1}" in str(warning.message)
+    assert _fuse._shown(_fuse._static_key(-0.0)) == "-0.0" and _fuse._shown(_fuse._static_key(float("inf"))) == "inf"
     assert warning.filename == __file__  # points at the caller's line
     # the remedy: the seed as a tensor is an input, one plan for every step
     fused = functe.fuse(lambda x, step: ops.dropout(x, 0.5, seed=step))
@@ -360,6 +361,12 @@ def test_numpy_float_static_arguments_are_keyed_by_their_bits():
         for _ in range(3):
             fused(x, kind("nan"))
         assert fused.trace_count == 3
+    # a float array is no scalar: unhashable as before (TraceError), not a TypeError from float()
+    fused = functe.fuse(lambda x, c: x * 2.0)
+    with pytest.raises(functe.TraceError, match="must be hashable"):
+        fused(x, np.ones(3))
+    with pytest.raises(functe.TraceError, match="must be hashable"):
+        fused(x, np.array(0.5))
 
 
 def test_output_dict_keys_keep_their_exact_types():
@@ -496,6 +503,34 @@ def test_frozen_inputs_keep_no_residuals_for_their_gradients():
     names = {k: i for i, k in enumerate(["x", *sorted(p)])}  # (the plan's tensor order: optree's)
     only_w2 = tuple(k == "w2" for k in names)
     assert [e.name for e in fused.plan(x, p).variant(only_w2).liveness.residuals] == ["linear", "add_extra_input"]
+
+
+def test_a_fused_backward_step_over_a_frozen_op_runs_its_parts():
+    # backward_fp8_linear_bias_activation was live as soon as the bias wanted a gradient: the frozen
+    # FP8 linear kept its quantized operands (3.5x the unfused bytes) and ran its GEMMs for nothing.
+    recipe = functe.CurrentScaling()
+    fn = lambda x, w, b: ops.gelu(ops.fp8_linear(x, w, None, None, recipe=recipe) + b)
+    fused = functe.fuse(fn)
+    x, w, b = make((64, 128)), make((256, 128)) * 0.1, make((256,)).requires_grad_()
+    assert fused.plan(x, w, b).stats["backward"].fired == {"backward_fp8_linear_bias_activation": 1}
+    fused_bytes, y = _saved_bytes(lambda: fused(x, w, b))
+    unfused_bytes, want = _saved_bytes(lambda: fn(x, w, b))
+    assert fused_bytes == unfused_bytes
+    assert torch.equal(torch.autograd.grad(y.sum(), b)[0], torch.autograd.grad(want.sum(), b)[0])
+    only_b = (False, False, True)
+    assert [e.name for e in fused.plan(x, w, b).variant(only_b).liveness.residuals] == ["bias", "activation"]
+
+
+def test_outputs_no_trainable_input_reaches_do_not_require_grad():
+    # One node for the program made every output require grad: .backward() on an output of frozen
+    # inputs silently did nothing where unfused raises.
+    fused = functe.fuse(lambda x, w, u: (ops.linear(x, w), u * 2.0))
+    x, w, u = make((2, 3)), make((4, 3)), make((3,)).requires_grad_()
+    y, v = fused(x, w, u)
+    assert not y.requires_grad and v.requires_grad
+    assert torch.equal(torch.autograd.grad(v.sum(), u)[0], torch.full((3,), 2.0))
+    only_y = functe.fuse(lambda x, w, u: ops.linear(x, w))
+    assert not only_y(x, w, u).requires_grad
 
 
 def test_the_fused_backward_frees_each_cotangent_after_its_step():

@@ -847,3 +847,17 @@ def test_fp8_fusions_on_the_native_fp8_gemm_path(recipe, monkeypatch):
     expected = _vjp_all(functe.fuse(program, rules=RuleSet()), args, ct)
     for i, (a, e) in enumerate(zip(_leaves(got), _leaves(expected))):
         assert torch.equal(a, e), f"leaf {i} differs"
+
+
+@pytest.mark.parametrize("recipe", [functe.DelayedScaling(amax_history_len=2), functe.CurrentScaling()], ids=str)
+def test_forward_mode_through_a_fused_norm_cast_refuses_as_unfused(recipe):
+    # The fused norm + FP8 cast kernel was not marked as quantizing: jvp through the fused program
+    # differentiated its rounding silently where the unfused program raises.
+    state = functe.init_linear_scaling_state(recipe)
+    model = lambda x, g, w: ops.fp8_linear(ops.rms_norm(x, g), w, None, state, recipe=recipe)
+    fused = functe.fuse(model, recipe=recipe)
+    x, g, w = make((4, 16)), make((16,)), make((16, 16))
+    assert fused.plan(x, g, w).stats["forward"].fired == {"forward_norm_quantize": 1}
+    for fn in (model, fused):
+        with pytest.raises(functe.TransformError, match="forward-mode derivatives"):
+            torch.func.jvp(lambda x, fn=fn: fn(x, g, w), (x,), (torch.ones_like(x),))

@@ -170,4 +170,4 @@ def norm_cast_amax_ref(
 
 
 # The amax reduces over rows, so under vmap the twin is vmapped (one amax per batch member).
-NORM_CAST_AMAX = Kernel("fp8_norm_cast_amax", norm_cast_amax, norm_cast_amax_ref)
+NORM_CAST_AMAX = Kernel("fp8_norm_cast_amax", norm_cast_amax, norm_cast_amax_ref, quantizes=True)

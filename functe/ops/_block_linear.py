@@ -65,26 +65,29 @@ def forward_quantized(x, xq, sx, weight, bias, seed, *, recipe):
     return y.reshape(*x.shape[:-1], weight.shape[0]), residuals
 
 
-def _bwd(res, dy, *, recipe):
+def _bwd(res, dy, *, recipe, needs_input_grad=(True,) * 4):
     x, weight, wq, sinv_w, seed, has_bias = res
     x2, dy2 = rows_view(x), rows_view(dy)
     dtype = operand_dtype(recipe, x.dtype)
-    sr_seed = None if seed is None else seed ^ SR_DGRAD_STREAM
-    dyq, sdy, _ = cast_block(dy2, recipe, "grad_output", None, dtype, seed=sr_seed)
-    if recipe.block_shape("weight")[0] > 1:
-        wt, sinv_wt = wq.t(), sinv_w
-    else:  # 1-D weight blocks run along K: dgrad needs Wᵀ quantized along N
-        wt, swt, _ = cast_block(weight.t(), recipe, "weight", None, dtype)
-        sinv_wt = _inv(swt)
-    dx = gemm_nt(dyq, _inv(sdy), wt, sinv_wt, out_dtype=x.dtype)
-    dyt, sdyt = wgrad_operand(dy2, recipe, "grad_output", dtype, seed)
-    xt, sxt = wgrad_operand(x2, recipe, "input", dtype, seed)
-    dw = gemm_nt(dyt, _inv(sdyt), xt, _inv(sxt), out_dtype=x.dtype)
+    dx = dw = None
+    if needs_input_grad[0]:  # dgrad (skipped, with its casts, when x is frozen)
+        sr_seed = None if seed is None else seed ^ SR_DGRAD_STREAM
+        dyq, sdy, _ = cast_block(dy2, recipe, "grad_output", None, dtype, seed=sr_seed)
+        if recipe.block_shape("weight")[0] > 1:
+            wt, sinv_wt = wq.t(), sinv_w
+        else:  # 1-D weight blocks run along K: dgrad needs Wᵀ quantized along N
+            wt, swt, _ = cast_block(weight.t(), recipe, "weight", None, dtype)
+            sinv_wt = _inv(swt)
+        dx = gemm_nt(dyq, _inv(sdy), wt, sinv_wt, out_dtype=x.dtype).reshape(x.shape)
+    if needs_input_grad[1]:  # wgrad (its RHT and stochastic rounding included)
+        dyt, sdyt = wgrad_operand(dy2, recipe, "grad_output", dtype, seed)
+        xt, sxt = wgrad_operand(x2, recipe, "input", dtype, seed)
+        dw = gemm_nt(dyt, _inv(sdyt), xt, _inv(sxt), out_dtype=x.dtype)
     dbias = BIAS_GRAD(dy2) if has_bias else None
-    return dx.reshape(x.shape), dw, dbias, None
+    return dx, dw, dbias, None
 
 
-_block_linear = custom_vjp("block_linear", _fwd, _bwd)
+_block_linear = custom_vjp("block_linear", _fwd, _bwd, needs_input_grad=True)
 
 
 def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, recipe: BlockRecipe, seed) -> Tensor:

@@ -53,19 +53,22 @@ def _linear_fwd(x, weight, bias, *, parallel=None):
     return reduce_output("linear", y, bias, parallel), (x, weight, bias is not None)
 
 
-def _linear_bwd(res, dy, *, parallel=None):
+def _linear_bwd(res, dy, *, parallel=None, needs_input_grad=(True, True, True)):
     x, weight, has_bias = res
     if parallel is not None:  # column+sp gathers x again (as TE: less memory), row+sp gathers dy
+        # (every gradient, whatever is frozen: the collectives must match on every rank)
         x, dy = gather_input("linear", x, parallel), gather_grad_output("linear", dy, parallel)
-    dx = torch.matmul(dy, weight)
-    dweight = torch.matmul(rows_view(dy).t(), rows_view(x))
-    dbias = BIAS_GRAD(dy) if has_bias else None
-    if parallel is not None:
-        dx = reduce_grad_input("linear", dx, parallel)
+        dx = reduce_grad_input("linear", torch.matmul(dy, weight), parallel)
+        return dx, torch.matmul(rows_view(dy).t(), rows_view(x)), BIAS_GRAD(dy) if has_bias else None
+    # Only the wanted gradients (a frozen weight's wgrad GEMM is a third of the linear's work).
+    want_dx, want_dweight, want_dbias = needs_input_grad
+    dx = torch.matmul(dy, weight) if want_dx else None
+    dweight = torch.matmul(rows_view(dy).t(), rows_view(x)) if want_dweight else None
+    dbias = BIAS_GRAD(dy) if has_bias and want_dbias else None
     return dx, dweight, dbias
 
 
-_linear = custom_vjp("linear", _linear_fwd, _linear_bwd)
+_linear = custom_vjp("linear", _linear_fwd, _linear_bwd, needs_input_grad=True)
 
 
 def linear(

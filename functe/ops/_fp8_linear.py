@@ -120,9 +120,12 @@ def _store(recipe: Recipe, role: str, like: Tensor, native: bool, dtype: torch.d
     return recipe.dtype(role) if native else compute_dtype(like.dtype if dtype is None else dtype)
 
 
-def _bwd(res, dy, *, recipe, parallel=None):
+def _bwd(res, dy, *, recipe, parallel=None, needs_input_grad=(True,) * 4):
+    # Only the wanted GEMMs (a frozen weight skips wgrad; not under tensor parallelism, whose
+    # collectives must match on every rank).
+    want = (True, True) if parallel is not None else needs_input_grad[:2]
     if isinstance(recipe, MXFP8BlockScaling):
-        return _mx_bwd(res, dy, recipe, parallel)
+        return _mx_bwd(res, dy, recipe, parallel, want)
     # column+sp gathers the saved FP8 input again (as TE), row+sp gathers dy (high precision)
     res = (gather_input("fp8_linear", res[0], parallel), *res[1:])
     dy = gather_grad_output("fp8_linear", dy, parallel)
@@ -132,7 +135,7 @@ def _bwd(res, dy, *, recipe, parallel=None):
         dyq, dbias, sdy, amax_dy = cast_dbias(dy2, recipe, "grad_output", go_scale, store)
     else:
         (dyq, sdy, amax_dy), dbias = cast(dy2, recipe, "grad_output", go_scale, store), None
-    dx, dw, state_ct = backward_quantized(res, dyq, sdy, amax_dy, recipe=recipe, parallel=parallel)
+    dx, dw, state_ct = backward_quantized(res, dyq, sdy, amax_dy, recipe=recipe, parallel=parallel, want=want)
     return dx, dw, dbias, state_ct
 
 
@@ -147,15 +150,16 @@ def grad_output_setup(res, dy2, recipe):
     return res, _store(recipe, "grad_output", dy2, native), go_state.scale if go_state is not None else None
 
 
-def backward_quantized(res, dyq, sdy, amax_dy, *, recipe, parallel=None):
-    """The backward rule after the grad-output cast: ``(dx, dW, state cotangent)``.
+def backward_quantized(res, dyq, sdy, amax_dy, *, recipe, parallel=None, want=(True, True)):
+    """The backward rule after the grad-output cast: ``(dx, dW, state cotangent)``; ``want``: whether
+    dx and dW are wanted (``None`` in their place when not).
 
     Fused ops that quantize dy themselves (activation backward + dbias + cast) call this.
     """
     xq, sinv_x, wq, sinv_w, next_states, _, native, x_shape, dtype = res
     sinv_dy = torch.reciprocal(sdy)
-    dx = gemm_nt(dyq, sinv_dy, wq.t(), sinv_w, out_dtype=dtype, native=native)
-    dw = gemm_nt(dyq.t(), sinv_dy, xq.t(), sinv_x, out_dtype=dtype, native=native)
+    dx = gemm_nt(dyq, sinv_dy, wq.t(), sinv_w, out_dtype=dtype, native=native) if want[0] else None
+    dw = gemm_nt(dyq.t(), sinv_dy, xq.t(), sinv_x, out_dtype=dtype, native=native) if want[1] else None
     state_ct = None
     if next_states is not None:
         new_in, new_w, go_state = next_states
@@ -164,7 +168,8 @@ def backward_quantized(res, dyq, sdy, amax_dy, *, recipe, parallel=None):
         state_ct = LinearScalingState(
             input=as_cotangent(new_in), weight=as_cotangent(new_w), grad_output=as_cotangent(new_go)
         )
-    dx = reduce_grad_input("fp8_linear", dx.reshape(gathered_shape(x_shape, parallel)), parallel)
+    if dx is not None:
+        dx = reduce_grad_input("fp8_linear", dx.reshape(gathered_shape(x_shape, parallel)), parallel)
     return dx, dw, state_ct
 
 
@@ -192,23 +197,26 @@ def _mx_fwd(x, weight, bias, recipe, parallel=None):
     return y, (x, weight, bias is not None)
 
 
-def _mx_bwd(res, dy, recipe, parallel=None):
+def _mx_bwd(res, dy, recipe, parallel=None, want=(True, True)):
     # Rowwise copies have blocks along K (fprop); dgrad reduces over N and wgrad over M, so their
     # operands are quantized again with blocks along those dims (TE's columnwise copies).
     x, weight, has_bias = res
     x, dy = gather_input("fp8_linear", x, parallel), gather_grad_output("fp8_linear", dy, parallel)
     x2, dy2, dtype = rows_view(x), rows_view(dy), x.dtype
-    dx = gemm_nt(
-        _mx(dy2, recipe, "grad_output", dtype), None, _mx(weight.t(), recipe, "weight", dtype), None, out_dtype=dtype
-    )
-    dw = gemm_nt(
-        _mx(dy2.t(), recipe, "grad_output", dtype), None, _mx(x2.t(), recipe, "input", dtype), None, out_dtype=dtype
-    )
+    dx = dw = None
+    if want[0]:
+        dy_q, wt_q = _mx(dy2, recipe, "grad_output", dtype), _mx(weight.t(), recipe, "weight", dtype)
+        dx = reduce_grad_input(
+            "fp8_linear", gemm_nt(dy_q, None, wt_q, None, out_dtype=dtype).reshape(x.shape), parallel
+        )
+    if want[1]:
+        dyt_q, xt_q = _mx(dy2.t(), recipe, "grad_output", dtype), _mx(x2.t(), recipe, "input", dtype)
+        dw = gemm_nt(dyt_q, None, xt_q, None, out_dtype=dtype)
     dbias = BIAS_GRAD(dy2) if has_bias else None
-    return reduce_grad_input("fp8_linear", dx.reshape(x.shape), parallel), dw, dbias, None
+    return dx, dw, dbias, None
 
 
-_fp8_linear = custom_vjp("fp8_linear", _fwd, _bwd)
+_fp8_linear = custom_vjp("fp8_linear", _fwd, _bwd, needs_input_grad=True)
 
 
 def fp8_linear(

@@ -96,19 +96,22 @@ def _forward_linear_add_fwd(x, weight, bias, extra, *, scale, bias_op):
     return y.view(extra.shape), res
 
 
-def _forward_linear_add_bwd(res, dy, *, scale, bias_op):
+def _forward_linear_add_bwd(res, dy, *, scale, bias_op, needs_input_grad=(True,) * 4):
     # The unfused chain, backwards: add_extra_input, [constant_scale], [bias], linear.
+    want_dx, want_dweight, want_dbias, _ = needs_input_grad
     d_out, d_extra = _add_bwd(None, dy)
     if scale is not None:
         (d_out,) = _scale_bwd(None, d_out, scale=scale)
     d_bias = None
     if bias_op:
         d_out, d_bias = _bias_bwd(None, d_out)
-    dx, dweight, d_lin_bias = _linear_bwd(res[0], d_out)
-    return dx, dweight, d_bias if bias_op else d_lin_bias, d_extra
+    dx, dweight, d_lin_bias = _linear_bwd(res[0], d_out, needs_input_grad=(want_dx, want_dweight, want_dbias))
+    return dx, dweight, (d_bias if want_dbias else None) if bias_op else d_lin_bias, d_extra
 
 
-forward_linear_add = custom_vjp("forward_linear_add", _forward_linear_add_fwd, _forward_linear_add_bwd)
+forward_linear_add = custom_vjp(
+    "forward_linear_add", _forward_linear_add_fwd, _forward_linear_add_bwd, needs_input_grad=True
+)
 """``y = scale·(x·Wᵀ + bias) + extra``: one GEMM accumulating into ``extra`` (a bias adds one pass on CPU).
 
 Static ``scale`` (``None``: no ``constant_scale`` op was covered) and
@@ -127,12 +130,15 @@ def _backward_linear_add_fwd(x, weight, bias):
     return (x, y), (None, lin)
 
 
-def _backward_linear_add_bwd(res, cts):
+def _backward_linear_add_bwd(res, cts, needs_input_grad=(True, True, True)):
     # dx = d_extra + dy·W: the dgrad GEMM accumulates into the extra output's gradient (beta = 1).
     _, (x, weight, has_bias) = res
     d_extra, dy = cts
     if dy is None:
         return d_extra, None, None
+    if not all(needs_input_grad):  # (a frozen input or weight: only the wanted gradients)
+        dx, dweight, dbias = _linear_bwd((x, weight, has_bias), dy, needs_input_grad=needs_input_grad)
+        return (None if dx is None else _acc_extra(dx, d_extra)), dweight, dbias
     if triton_gemm(dy):
         dx = GEMM_DGRAD(dy, weight, d_extra)
         dweight, dbias = GEMM_WGRAD_DBIAS(dy, x) if has_bias else (GEMM_WGRAD(dy, x), None)
@@ -146,8 +152,16 @@ def _backward_linear_add_bwd(res, cts):
     return dx, dweight, BIAS_GRAD(dy) if has_bias else None
 
 
+def _acc_extra(dx: Tensor, d_extra: Tensor | None) -> Tensor:
+    return dx if d_extra is None else AXPBY(dx, d_extra, 1.0, 1.0)
+
+
 backward_linear_add = custom_vjp(
-    "backward_linear_add", _backward_linear_add_fwd, _backward_linear_add_bwd, symbolic_zeros=True
+    "backward_linear_add",
+    _backward_linear_add_fwd,
+    _backward_linear_add_bwd,
+    symbolic_zeros=True,
+    needs_input_grad=True,
 )
 """``(extra, y) = (x, linear(x, weight, bias))``: a forked residual feeding a linear.
 
@@ -165,9 +179,12 @@ def _backward_linear_scale_fwd(x, weight, bias, *, scale):
     return y, (lin, None)
 
 
-def _backward_linear_scale_bwd(res, dy, *, scale):
+def _backward_linear_scale_bwd(res, dy, *, scale, needs_input_grad=(True, True, True)):
     # dx = s·dy·W and dW = s·dyᵀ·x: the scale is the alpha of both GEMMs.
     (x, weight, has_bias), _ = res
+    if not all(needs_input_grad):  # (a frozen input or weight: only the wanted gradients, unfused)
+        (dh,) = _scale_bwd(None, dy, scale=scale)
+        return _linear_bwd((x, weight, has_bias), dh, needs_input_grad=needs_input_grad)
     if triton_gemm(dy):
         dx = GEMM_DGRAD(dy, weight, None, scale)
         if not has_bias:
@@ -186,7 +203,9 @@ def _backward_linear_scale_bwd(res, dy, *, scale):
     return dx, dweight, dbias
 
 
-backward_linear_scale = custom_vjp("backward_linear_scale", _backward_linear_scale_fwd, _backward_linear_scale_bwd)
+backward_linear_scale = custom_vjp(
+    "backward_linear_scale", _backward_linear_scale_fwd, _backward_linear_scale_bwd, needs_input_grad=True
+)
 """``y = scale·linear(x, weight, bias)``; its backward puts ``scale`` into both GEMMs.
 
 Covers ``linear, constant_scale``.
@@ -217,18 +236,21 @@ def _forward_linear_activation_fwd(x, weight, bias, *, activation, bias_op):
     return y, ((lin, None, (z, None)) if bias_op else (lin, (z, None)))
 
 
-def _forward_linear_activation_bwd(res, dy, *, activation, bias_op):
+def _forward_linear_activation_bwd(res, dy, *, activation, bias_op, needs_input_grad=(True, True, True)):
     # The unfused chain, backwards: activation, [bias], linear.
     dz, _ = act._activation.bwd(res[-1], dy, **_act_params(activation))
     d_bias = None
     if bias_op:
         dz, d_bias = _bias_bwd(None, dz)
-    dx, dweight, d_lin_bias = _linear_bwd(res[0], dz)
-    return dx, dweight, d_bias if bias_op else d_lin_bias
+    dx, dweight, d_lin_bias = _linear_bwd(res[0], dz, needs_input_grad=needs_input_grad)
+    return dx, dweight, (d_bias if needs_input_grad[2] else None) if bias_op else d_lin_bias
 
 
 forward_linear_activation = custom_vjp(
-    "forward_linear_activation", _forward_linear_activation_fwd, _forward_linear_activation_bwd
+    "forward_linear_activation",
+    _forward_linear_activation_fwd,
+    _forward_linear_activation_bwd,
+    needs_input_grad=True,
 )
 """``y = act(x·Wᵀ + bias)`` with the bias and the activation in the GEMM epilogue (TE's
 ForwardLinearBiasActivation, activation included). Covers ``linear, [bias], activation``; also
@@ -253,8 +275,12 @@ def _backward_linear_activation_fwd(x, weight, bias, *, activation):
     return y, (lin, act_res)
 
 
-def _backward_linear_activation_bwd(res, dy, *, activation):
+def _backward_linear_activation_bwd(res, dy, *, activation, needs_input_grad=(True, True, True)):
     (x, weight, has_bias), (z, _) = res
+    if not all(needs_input_grad):  # (a frozen input or weight: only the wanted gradients)
+        g, dbias = _dact_dbias(dy, z, activation, has_bias and needs_input_grad[2])
+        dx, dweight, _ = _linear_bwd((x, weight, False), g, needs_input_grad=needs_input_grad)
+        return dx, dweight, dbias
     if triton_gemm(dy):
         if dact_prologue_pays(activation, weight.shape[1]):
             dx, g = GEMM_DGRAD_DACT(dy, z, weight, None, 1.0, activation)
@@ -270,7 +296,10 @@ def _backward_linear_activation_bwd(res, dy, *, activation):
 
 
 backward_linear_activation = custom_vjp(
-    "backward_linear_activation", _backward_linear_activation_fwd, _backward_linear_activation_bwd
+    "backward_linear_activation",
+    _backward_linear_activation_fwd,
+    _backward_linear_activation_bwd,
+    needs_input_grad=True,
 )
 """``y = act(linear(x, weight, bias))``; its backward computes ``g = dy·act'(z)`` and the bias gradient
 in one pass (Triton GEMMs: dact as dgrad's prologue where it pays, dbias inside the wgrad GEMM; else
