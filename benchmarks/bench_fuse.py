@@ -17,7 +17,8 @@ condition). On a CUDA machine everything runs on the GPU, the fused GEMMs as fun
 kernels (16-bit).
 
 Run: ``python -m benchmarks.bench_fuse`` (``--skip-large`` for the overhead table only, ``--func``
-to also take the large case's gradients through ``torch.func.vjp``).
+to also take the large case's gradients through ``torch.func.vjp``, ``--frozen`` for the block with
+frozen weights alone).
 """
 
 from __future__ import annotations
@@ -166,12 +167,31 @@ def large(dtypes, reps: int, *, func: bool = False) -> str:
     return "\n\n".join(tables)
 
 
+def frozen(reps: int) -> str:
+    """The block at 2048 tokens, fp32, gradients of the input only (frozen weights, as in adapter or
+    bias-only fine-tuning): backward rules skip the weight gradients nobody asked for."""
+    x, p = make_inputs(2048, 1024, 4096, torch.float32)
+    p = {k: v.detach() for k, v in p.items()}
+    cot = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(1)).to(device=DEVICE)
+    impls = implementations()
+    steps = {k: (lambda f=f: torch.autograd.grad(f(x, p), x, cot)) for k, f in impls.items()}
+    wall, _ = interleaved(steps, reps=reps)
+    title = f"MLP block fwd+bwd, frozen weights (2048 tokens, 1024 hidden, 4096 ffn, fp32), best of {reps}, wall"
+    return table(title, [("input gradient only", wall)], baseline="eager")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-large", action="store_true", help="only the per-call overhead table")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds of the large case")
     parser.add_argument("--func", action="store_true", help="also time the large case through torch.func.vjp")
+    parser.add_argument("--frozen", action="store_true", help="only the frozen-weights case (input gradient only)")
     args = parser.parse_args()
+    if args.frozen:
+        print(machine())
+        print()
+        print(frozen(args.reps))
+        return
     print(machine())
     print()
     print(overhead())

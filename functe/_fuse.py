@@ -562,6 +562,7 @@ def _eager_function(
 
     single = out_tree == LEAF
     n_out = out_tree.num_leaves
+    constant_positions = [i for i, constant in enumerate(constant_outputs) if constant]
     # The gradients' shapes and dtypes depend on the signature only: checked on the first backward
     # (autograd itself would silently sum a [1,N] gradient to [N], or cast it).
     unchecked = [True]
@@ -581,8 +582,8 @@ def _eager_function(
         anchor = [higher_order_anchor(saved[0])] if n_new else []
         ctx.save_for_backward(*saved, *anchor)
         ctx.residual_layout = (res_tree, layout, n_new)
-        # outputs no trainable input reaches do not require grad, as unfused
-        ctx.mark_non_differentiable(*(o for o, c in zip(out_leaves, constant_outputs) if c and isinstance(o, Tensor)))
+        if constant_positions:  # outputs no trainable input reaches do not require grad, as unfused
+            ctx.mark_non_differentiable(*(o for i in constant_positions if isinstance(o := out_leaves[i], Tensor)))
         return (*out_leaves, *anchor)
 
     def bwd(ctx, *grads):
