@@ -521,6 +521,33 @@ def test_a_fused_backward_step_over_a_frozen_op_runs_its_parts():
     assert [e.name for e in fused.plan(x, w, b).variant(only_b).liveness.residuals] == ["bias", "activation"]
 
 
+@pytest.mark.parametrize(
+    ("fn", "rule"),
+    [
+        (lambda x, w: (lambda a, b: ops.linear(b, w) + a)(*ops.make_extra_output(x)), "backward_linear_add"),
+        (lambda x, w: ops.linear(x, w) * 0.5, "backward_linear_scale"),
+        (lambda x, w: ops.gelu(ops.linear(x, w)), "backward_linear_bias_activation"),
+    ],
+)
+def test_bias_free_fused_backward_steps_keep_their_fused_path(fn, rule, monkeypatch):
+    # An absent bias is flagged "no gradient wanted": the fused rules took their unfused fallback
+    # whenever the linear had no bias, everything trainable or not.
+    from functe.ops import _fused
+
+    calls = []
+    real = _fused._linear_bwd
+    monkeypatch.setattr(_fused, "_linear_bwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w = make((4, 4)).requires_grad_(), make((4, 4)).requires_grad_()
+    fused = functe.fuse(fn)
+    assert plan_of(fn, x, w).stats["backward"].fired == {rule: 1}
+    got = torch.autograd.grad(fused(x, w).sum(), (x, w))
+    assert not calls
+    for g, e in zip(got, torch.autograd.grad(fn(x, w).sum(), (x, w))):
+        assert_close(g, e)
+    torch.autograd.grad(fused(x, w.detach()).sum(), x)  # a frozen weight: the fallback, dx only
+    assert calls
+
+
 def test_outputs_no_trainable_input_reaches_do_not_require_grad():
     # One node for the program made every output require grad: .backward() on an output of frozen
     # inputs silently did nothing where unfused raises.

@@ -59,6 +59,13 @@ def dact_prologue_pays(activation: str, k: int) -> bool:
     return activation in ("relu", "srelu") or k <= 64
 
 
+def _frozen(needs_input_grad: tuple[bool, bool, bool], has_bias: bool) -> bool:
+    """Whether a linear's ``(x, weight, bias)`` includes an input whose gradient nobody wants (an
+    absent bias is flagged False, and wants nothing)."""
+    want_dx, want_dweight, want_dbias = needs_input_grad
+    return not (want_dx and want_dweight and (want_dbias or not has_bias))
+
+
 def _linear_residuals(x: Tensor, weight: Tensor, has_bias: bool):
     """The residuals ``linear``'s own forward rule returns (see ``_core._linear_fwd``)."""
     return (x, weight, has_bias)
@@ -136,7 +143,7 @@ def _backward_linear_add_bwd(res, cts, needs_input_grad=(True, True, True)):
     d_extra, dy = cts
     if dy is None:
         return d_extra, None, None
-    if not all(needs_input_grad):  # (a frozen input or weight: only the wanted gradients)
+    if _frozen(needs_input_grad, has_bias):  # (only the wanted gradients)
         dx, dweight, dbias = _linear_bwd((x, weight, has_bias), dy, needs_input_grad=needs_input_grad)
         return (None if dx is None else _acc_extra(dx, d_extra)), dweight, dbias
     if triton_gemm(dy):
@@ -182,7 +189,7 @@ def _backward_linear_scale_fwd(x, weight, bias, *, scale):
 def _backward_linear_scale_bwd(res, dy, *, scale, needs_input_grad=(True, True, True)):
     # dx = s·dy·W and dW = s·dyᵀ·x: the scale is the alpha of both GEMMs.
     (x, weight, has_bias), _ = res
-    if not all(needs_input_grad):  # (a frozen input or weight: only the wanted gradients, unfused)
+    if _frozen(needs_input_grad, has_bias):  # (only the wanted gradients, unfused)
         (dh,) = _scale_bwd(None, dy, scale=scale)
         return _linear_bwd((x, weight, has_bias), dh, needs_input_grad=needs_input_grad)
     if triton_gemm(dy):
@@ -277,7 +284,7 @@ def _backward_linear_activation_fwd(x, weight, bias, *, activation):
 
 def _backward_linear_activation_bwd(res, dy, *, activation, needs_input_grad=(True, True, True)):
     (x, weight, has_bias), (z, _) = res
-    if not all(needs_input_grad):  # (a frozen input or weight: only the wanted gradients)
+    if _frozen(needs_input_grad, has_bias):  # (only the wanted gradients)
         g, dbias = _dact_dbias(dy, z, activation, has_bias and needs_input_grad[2])
         dx, dweight, _ = _linear_bwd((x, weight, False), g, needs_input_grad=needs_input_grad)
         return dx, dweight, dbias
