@@ -44,7 +44,14 @@ from ._errors import TraceError, describe
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._trace import trace_call, vjp_call
 from ._tree import is_pytree_dataclass, rebuild_dataclass, tree_flatten, tree_leaves, tree_unflatten
-from ._vjp import _guard, _refuse_compiled_transforms, check_gradients, custom_vjp, higher_order_anchor
+from ._vjp import (
+    _guard,
+    _refuse_compiled_transforms,
+    argument_needs,
+    check_gradients,
+    custom_vjp,
+    higher_order_anchor,
+)
 
 Tensor = torch.Tensor
 
@@ -395,12 +402,8 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
         needs = ""
         if getattr(e.op, "needs_input_grad", False):
             # which of the step's arguments want cotangents: known per plan variant (see custom_vjp)
-            flags, offset = [], 0
-            for child in e.in_tree.children():
-                atoms = e.inputs[offset : offset + child.num_leaves]
-                offset += child.num_leaves
-                flags.append(any(isinstance(a, Var) and a in live.needs for a in atoms))
-            needs = f", needs_input_grad={tuple(flags)!r}"
+            flags = argument_needs([isinstance(a, Var) and a in live.needs for a in e.inputs], e.in_tree)
+            needs = f", needs_input_grad={flags!r}"
         em.emit(f"_c = {em.glob(e.op.bwd, 'b')}({res}, {em.pack(items, e.out_tree)}{em.params(e)}{needs})")
         # The step consumed its outputs' cotangents (complete: a variable has one producing step):
         # drop them, so an intermediate gradient is freed here, as autograd frees a node's inputs.
@@ -464,7 +467,7 @@ class Plan:
         self._variants: dict[tuple[bool, ...] | None, _Variant] = {}
         full = self.variant(None)
         self.liveness, self.source, self.infer, self.op = full.liveness, full.source, full.infer, full.op
-        self.eager, self.with_constants = full.eager, full.with_constants
+        self.eager, self.with_constants, self.run_op = full.eager, full.with_constants, full.run_op
 
     def variant(self, needs_grad: tuple[bool, ...] | None) -> _Variant:
         """The generated functions when only the inputs flagged in ``needs_grad`` (one flag per
@@ -483,10 +486,6 @@ class Plan:
                 variant = _Variant(self, tuple(wanted))
             self._variants[needs_grad] = variant
         return variant
-
-    def run_op(self, *tensors):
-        """The custom_vjp op on these tensors, constants put back (compiled calls)."""
-        return self.with_constants(self.op(*tensors))
 
     def explain(self) -> str:
         """The op list before and after each rewrite, rules fired and declined (see :func:`explain`)."""
@@ -541,7 +540,7 @@ class _Variant:
             self.eager = eager
 
     def run_op(self, *tensors):
-        """The custom_vjp op on these tensors, constants put back (torch.func calls)."""
+        """The custom_vjp op on these tensors, constants put back (torch.func and compiled calls)."""
         return self.with_constants(self.op(*tensors))
 
 

@@ -182,7 +182,8 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     def setup_context(ctx, inputs, output):
         outs = output if isinstance(output, tuple) else (output,)
         ctx.floating_outputs = [i for i, o in enumerate(outs) if isinstance(o, Tensor) and o.is_floating_point()]
-        ctx.n_outputs = len(outs)
+        # (a quantizing kernel, or an MXFP8 cast's uint8 scales among the outputs: no derivative)
+        ctx.quantizing = kernel.quantizes or len(ctx.floating_outputs) != len(outs)
         positions = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]
         ctx.positions = positions
         ctx.others = [None if isinstance(a, Tensor) else a for a in inputs]
@@ -197,9 +198,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     def backward(ctx, *grads):
         args = saved_args(ctx)
         diff = _float_positions(args)
-        if kernel.quantizes or len(ctx.floating_outputs) != ctx.n_outputs:
-            # (an MXFP8 cast also returns uint8 scales: a quantizing kernel, reached only when a
-            # backward rule that used it is itself differentiated)
+        if ctx.quantizing:  # (reached only when a backward rule that used it is itself differentiated)
             raise TransformError(
                 f"functe.{kernel.name}: a quantizing kernel has no derivative; differentiating a backward "
                 "rule that uses it (second order through a quantized linear) is not supported"
@@ -223,7 +222,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
         def twin_of(*values):
             return twin(*_with(args, diff, values))
 
-        if kernel.quantizes or len(ctx.floating_outputs) != ctx.n_outputs:
+        if ctx.quantizing:
             # A quantizing kernel (FP8 data, uint8 scales): its rounding is piecewise constant, so the
             # tangent would silently vanish into it, or survive only through the scale's path, while
             # reverse mode treats quantized linears as straight-through (TransformerEngine's rule).

@@ -412,11 +412,11 @@ def check_gradients(name: str, grads, in_meta: list, hint: str = "") -> None:
             )
 
 
-def _argument_needs(leaf_needs: tuple, call: _Call) -> tuple[bool, ...]:
-    """Per positional argument, whether any of its leaves wants a cotangent (``leaf_needs``: the
-    Function's ``ctx.needs_input_grad``, whose first entry is the call)."""
-    flags, offset = [], 1
-    for tree in call.in_tree.children():
+def argument_needs(leaf_needs, in_tree: PyTreeSpec) -> tuple[bool, ...]:
+    """Per positional argument of a call flattened as ``in_tree``, whether any of its leaves wants a
+    cotangent (``leaf_needs``: one flag per leaf), as a ``needs_input_grad`` rule takes it."""
+    flags, offset = [], 0
+    for tree in in_tree.children():
         n = tree.num_leaves
         flags.append(any(leaf_needs[offset : offset + n]))
         offset += n
@@ -482,7 +482,8 @@ def _make_function(
             for i, (g, meta) in enumerate(zip(out_cts, ctx.out_meta)):
                 if g is None and meta is not None:
                     out_cts[i] = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
-        extra = {"needs_input_grad": _argument_needs(ctx.needs_input_grad, call)} if needs_input_grad else {}
+        # (ctx.needs_input_grad's first entry is the call)
+        extra = {"needs_input_grad": argument_needs(ctx.needs_input_grad[1:], call.in_tree)} if needs_input_grad else {}
         cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **extra, **call.static)
         flat = _flatten_cotangents(name, call, cts, ctx.in_meta)
         if layout.n_new and torch.is_grad_enabled():

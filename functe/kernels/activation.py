@@ -40,7 +40,7 @@ from . import _act
 from ._act import ACTIVATIONS, GATED
 from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._fast import eager_cpu, parallel_chunks
-from ._triton import jit, next_power_of_2
+from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
 
 Tensor = torch.Tensor
 
@@ -110,13 +110,14 @@ def gated_grads(g, a, b, limit, alpha, offset, ACT: tl.constexpr, CLAMPED_: tl.c
 
 
 @jit
-def _tile(pid, n_rows, n_out, n_col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # A 1-D grid (axis 0 allows 2^31 programs; axes 1-2 only 65535) split into row and column blocks.
-    rows = (pid // n_col_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = (pid % n_col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+def _tile(n_rows, n_out, n_col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # A tiled_grid launch (1-D: see functe.kernels._triton) split into row and column blocks.
+    pid_r, pid_c = tile_ids(n_col_blocks)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < n_out)[None, :]
-    return rows, cols, row_mask, mask
+    return rows, cols, row_mask, mask, pid_c
 
 
 @jit
@@ -141,7 +142,7 @@ def _act_kernel(
     BLOCK_C: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
-    rows, cols, row_mask, mask = _tile(tl.program_id(0), n_rows, n_out, n_col_blocks, BLOCK_R, BLOCK_C)
+    rows, cols, row_mask, mask, _ = _tile(n_rows, n_out, n_col_blocks, BLOCK_R, BLOCK_C)
     x_row = X + rows[:, None] * in_cols
     if GATED_:
         a_cols, b_cols = gated_columns(cols, n_out, k, INTERLEAVED)
@@ -179,8 +180,7 @@ def _dact_kernel(
     BLOCK_C: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows, cols, row_mask, mask = _tile(pid, n_rows, n_out, n_col_blocks, BLOCK_R, BLOCK_C)
+    rows, cols, row_mask, mask, pid_c = _tile(n_rows, n_out, n_col_blocks, BLOCK_R, BLOCK_C)
     dy = tl.load(DY + rows[:, None] * n_out + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
     g = dy
     if HAS_S:
@@ -203,7 +203,7 @@ def _dact_kernel(
             y = _act.act_fwd(x, ACT)
     if HAS_S:
         partial = tl.sum(tl.where(mask, dy * y, 0.0), axis=1)
-        tl.store(DS_PARTIAL + (pid % n_col_blocks).to(tl.int64) * n_rows + rows, partial, mask=row_mask)
+        tl.store(DS_PARTIAL + pid_c.to(tl.int64) * n_rows + rows, partial, mask=row_mask)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -225,7 +225,7 @@ def _launch(kernel, dy, x, s, name, interleave, limit, alpha, offset):
     block_c = min(next_power_of_2(n_out), 1024)
     block_r = min(next_power_of_2(n_rows), max(1, _TILE_ELEMENTS // block_c))
     n_col_blocks = triton.cdiv(n_out, block_c)
-    grid = (triton.cdiv(n_rows, block_r) * n_col_blocks,)
+    grid = tiled_grid(triton.cdiv(n_rows, block_r), n_col_blocks)
     s_rows = None if s is None else s.contiguous().view(-1)
     acc = compute_dtype(x.dtype)
     interleaved = bool(interleave) and interleave != n_out
