@@ -273,6 +273,30 @@ class _Liveness:
         self.residuals = [e for e in joint.eqns if e in owners]  # residual owners, in program order
 
 
+def _step_needs(e: Eqn, live: _Liveness) -> tuple[bool, ...]:
+    """Per argument of a backward step, whether it wants a cotangent in this plan variant."""
+    return argument_needs([isinstance(a, Var) and a in live.needs for a in e.inputs], e.in_tree)
+
+
+def _pruned_residuals(em: _Emitter, live: _Liveness, res_names: dict) -> None:
+    """Emit the ``prune_residuals`` call of each live step that has one and some argument wanting no
+    gradient: the residuals it reads are dropped before the forward returns them (a frozen
+    weight's linear keeps no input; see custom_vjp)."""
+    for e in live.live:
+        prune = getattr(e.op, "prune_residuals", None)
+        if prune is None:
+            continue
+        flags = _step_needs(e, live)
+        if all(flags):
+            continue
+        if e.phase == "backward":  # (a fused step reads the tuple of its covered ops' residuals)
+            names = "".join(f"{res_names[o]}, " for o in _owners(e))
+            em.emit(f"{names}= {em.glob(prune, 'p')}(({names}){em.params(e)}, needs_input_grad={flags!r})")
+        else:
+            name = res_names[e]
+            em.emit(f"{name} = {em.glob(prune, 'p')}({name}{em.params(e)}, needs_input_grad={flags!r})")
+
+
 def _owners(eqn: Eqn) -> tuple[Eqn, ...]:
     """The equations whose residuals a step of a plan produces (forward) or consumes (backward)."""
     return eqn.covers if eqn.phase in ("forward", "backward") else (eqn,)
@@ -320,6 +344,7 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
     em.emit(f"return {outputs(in_function=False)}")
     em.lines.append(f"def forward({inputs}):")
     forward_body(keep_residuals=True)
+    _pruned_residuals(em, live, res_names)
     residuals = "".join(f"{res_names[e]}, " for e in live.residuals)
     em.emit(f"return {outputs(in_function=True)}, ({residuals})")
     _generate_backward(em, program, live, res_names)
@@ -402,8 +427,7 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
         needs = ""
         if getattr(e.op, "needs_input_grad", False):
             # which of the step's arguments want cotangents: known per plan variant (see custom_vjp)
-            flags = argument_needs([isinstance(a, Var) and a in live.needs for a in e.inputs], e.in_tree)
-            needs = f", needs_input_grad={flags!r}"
+            needs = f", needs_input_grad={_step_needs(e, live)!r}"
         em.emit(f"_c = {em.glob(e.op.bwd, 'b')}({res}, {em.pack(items, e.out_tree)}{em.params(e)}{needs})")
         # The step consumed its outputs' cotangents (complete: a variable has one producing step):
         # drop them, so an intermediate gradient is freed here, as autograd frees a node's inputs.

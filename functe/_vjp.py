@@ -149,6 +149,24 @@ def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, l
     return out_leaves, new, layout
 
 
+def _pruned(name: str, prune: Callable, layout: _Layout, sources: dict, call: _Call, needs: tuple) -> _Layout:
+    """``layout`` with the residuals ``prune`` drops for these gradient needs made constant ``None``s,
+    which are not saved (see ``prune_residuals`` in :class:`CustomVJP`)."""
+    leaves = [value if kind == _CONST else sources[kind][value] for kind, value in layout.plan]
+    residuals = tree_unflatten(layout.res_tree, leaves)
+    kept = prune(residuals, needs_input_grad=needs, **call.static)
+    if kept is residuals:  # (nothing dropped: a frozen FP8 state, say)
+        return layout
+    kept_leaves, kept_tree = tree_flatten(kept)
+    if kept_tree != layout.res_tree or any(k is not None and k is not r for k, r in zip(kept_leaves, leaves)):
+        raise RuleError(
+            f"functe.{name}: prune_residuals must return the residuals it was given with some leaves "
+            f"replaced by None, got {describe(kept)}"
+        )
+    plan = tuple(entry if k is not None else (_CONST, None) for entry, k in zip(layout.plan, kept_leaves))
+    return _Layout(layout.out_tree, layout.n_out, layout.res_tree, plan, layout.n_new)
+
+
 def higher_order_anchor(like: Tensor) -> Tensor:
     """An empty float tensor on ``like``'s device: returned as a differentiable output of an op whose
     residuals include intermediates and saved for its backward, where :func:`_guard` hangs on it
@@ -172,6 +190,15 @@ class CustomVJP:
             cotangent at this level), so it can skip work whose result autograd
             would drop (a frozen weight's wgrad GEMM); it may return ``None``
             for an unflagged argument.
+        prune_residuals: ``prune(residuals, *, needs_input_grad, **static) -> residuals``
+            (requires ``needs_input_grad``): the residuals with the leaves that
+            no wanted gradient reads replaced by ``None`` (or the very object
+            it was given, when it drops nothing). Called when autograd
+            records the op and some argument wants no gradient; the dropped
+            leaves are not saved (a linear with a frozen weight keeps no input
+            alive for a wgrad it will not run), and ``bwd`` gets ``None`` there.
+            Inside :func:`functe.fuse` the op of the backward step that reads
+            the residuals prunes them (a fused op's rule covers its ops').
 
     Example:
         >>> import torch
@@ -193,16 +220,22 @@ class CustomVJP:
         symbolic_zeros: bool = False,
         batching: str | None = "forward",
         needs_input_grad: bool = False,
+        prune_residuals: Callable | None = None,
     ):
         if batching not in ("forward", None):
             raise RuleError(f"custom_vjp {name}: batching must be 'forward' or None, got {batching!r}")
+        if prune_residuals is not None and not needs_input_grad:
+            raise RuleError(f"custom_vjp {name}: prune_residuals needs needs_input_grad=True")
         self.name = name
         self.fwd = fwd
         self.bwd = bwd
         self.symbolic_zeros = symbolic_zeros
         self.batching = batching
         self.needs_input_grad = needs_input_grad
-        self.function = _make_function(name, fwd, bwd, symbolic_zeros, batching, needs_input_grad, forward_mode=True)
+        self.prune_residuals = prune_residuals
+        self.function = _make_function(
+            name, fwd, bwd, symbolic_zeros, batching, needs_input_grad, prune_residuals, forward_mode=True
+        )
         # Dynamo refuses Functions that define ``jvp``; compiled code gets a
         # twin class without it (forward-mode AD is not traced by compile).
         self.compiled_function = _make_function(name, fwd, bwd, symbolic_zeros, batching, forward_mode=False)
@@ -251,6 +284,7 @@ def custom_vjp(
     symbolic_zeros: bool = False,
     batching: str | None = "forward",
     needs_input_grad: bool = False,
+    prune_residuals: Callable | None = None,
 ) -> CustomVJP:
     """Define an op from a forward rule and a backward rule (see :class:`CustomVJP`).
 
@@ -268,7 +302,13 @@ def custom_vjp(
         12.0
     """
     return CustomVJP(
-        name, fwd, bwd, symbolic_zeros=symbolic_zeros, batching=batching, needs_input_grad=needs_input_grad
+        name,
+        fwd,
+        bwd,
+        symbolic_zeros=symbolic_zeros,
+        batching=batching,
+        needs_input_grad=needs_input_grad,
+        prune_residuals=prune_residuals,
     )
 
 
@@ -430,6 +470,7 @@ def _make_function(
     symbolic_zeros: bool,
     batching: str | None,
     needs_input_grad: bool = False,
+    prune: Callable | None = None,
     *,
     forward_mode: bool,
 ) -> type[torch.autograd.Function]:
@@ -452,6 +493,11 @@ def _make_function(
         outs = output[: layout.n_out]
         new = output[layout.n_out : layout.n_out + layout.n_new]
         sources = {_IN: leaves, _OUT: outs, _NEW: new}
+        if prune is not None:
+            flags = ctx.needs_input_grad[1:]
+            # (the common case, every tensor argument wanting a gradient, costs one pass)
+            if any(not f and isinstance(t, Tensor) for f, t in zip(flags, leaves)):
+                layout = _pruned(name, prune, layout, sources, call, argument_needs(flags, call.in_tree))
         # (the higher-order anchor, last of ``new``, is saved after the residuals and stays differentiable)
         ctx.save_for_backward(*(sources[kind][i] for kind, i in layout.plan if kind != _CONST), *new[-1:])
         if forward_mode:

@@ -275,6 +275,93 @@ def test_frozen_weights_cost_no_weight_gradient_gemm(fused):
     assert_close(grad_w2, torch.func.grad(lambda w: _block(x, w1, b1, w).sum())(w2))
 
 
+def _saved_shapes(run) -> tuple[list[tuple[int, ...]], object]:
+    """Shapes of the distinct storages autograd saves while ``run()`` records (empty anchors left out)."""
+    saved = {}
+
+    def pack(t):
+        if t.numel():
+            saved[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sorted(saved.values()), out
+
+
+def _fp8_linear_of(recipe):
+    state = functe.init_linear_scaling_state(recipe)
+    seed = torch.tensor(5) if isinstance(recipe, functe.NVFP4BlockScaling) else None
+    return lambda x, w: ops.fp8_linear(x, w, None, state, recipe=recipe, seed=seed)
+
+
+_PRUNED_LINEARS = {
+    "linear": lambda x, w: ops.linear(x, w, None),
+    **{
+        type(r).__name__: _fp8_linear_of(r)
+        for r in (
+            functe.CurrentScaling(),
+            functe.DelayedScaling(),
+            functe.MXFP8BlockScaling(),
+            functe.Float8BlockScaling(),
+            functe.NVFP4BlockScaling(),
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(_PRUNED_LINEARS))
+def test_a_frozen_weight_keeps_no_input_alive(name):
+    # A linear saved its input (or its quantized copy) whatever autograd wanted: a frozen weight's
+    # wgrad never runs, yet the input stayed alive until backward (LoRA-style frozen base weights kept
+    # every activation). Only the residuals a wanted gradient reads are saved now.
+    fn = _PRUNED_LINEARS[name]
+    x, w = make((32, 64)), make((16, 64))
+    out = lambda y: y[0] if isinstance(y, tuple) else y
+    dx_only = x.clone().requires_grad_()
+    shapes, y = _saved_shapes(lambda: out(fn(dx_only, w)))
+    assert (32, 64) not in shapes and (16, 64) in shapes
+    (dx,) = torch.autograd.grad(y.sum(), dx_only)
+    dw_only = w.clone().requires_grad_()
+    shapes, y = _saved_shapes(lambda: out(fn(x, dw_only)))
+    assert (32, 64) in shapes and (16, 64) not in shapes
+    (dw,) = torch.autograd.grad(y.sum(), dw_only)
+    both = x.clone().requires_grad_(), w.clone().requires_grad_()
+    shapes, y = _saved_shapes(lambda: out(fn(*both)))
+    assert (32, 64) in shapes and (16, 64) in shapes
+    want_dx, want_dw = torch.autograd.grad(y.sum(), both)
+    assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
+    # torch.func sees the same needs: the gradient of one argument from the other's residuals
+    assert torch.equal(torch.func.grad(lambda x: out(fn(x, w)).sum())(x), want_dx)
+    assert torch.equal(torch.func.grad(lambda w: out(fn(x, w)).sum())(w), want_dw)
+
+
+def test_pruned_residuals_keep_higher_order_and_batched_gradients():
+    # With the weight frozen the input is not saved; the Hessian-vector products and per-example
+    # gradients that use the weight alone are unchanged.
+    x, w = make((4, 6), torch.float64), make((3, 6), torch.float64)
+    loss = lambda x, w: ops.gelu(ops.linear(x, w)).square().sum()
+    ref = lambda x, w: torch.nn.functional.gelu(x @ w.T, approximate="tanh").square().sum()
+    assert_close(torch.func.hessian(loss)(x, w), torch.func.hessian(ref)(x, w))
+    per_row = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None))
+    assert_close(per_row(x[:, None], w), torch.func.vmap(torch.func.grad(ref), in_dims=(0, None))(x[:, None], w))
+
+
+def test_prune_residuals_contract_is_checked():
+    fwd = lambda x, w: (x * w, (x, w))
+    bwd = lambda res, g, needs_input_grad: (g * res[1], g * res[0])
+    with pytest.raises(functe.RuleError, match="prune_residuals needs needs_input_grad=True"):
+        functe.custom_vjp("mul", fwd, bwd, prune_residuals=lambda res, needs_input_grad: res)
+    bad = functe.custom_vjp("mul", fwd, bwd, needs_input_grad=True, prune_residuals=lambda res, needs_input_grad: None)
+    with pytest.raises(functe.RuleError, match=r"functe\.mul: prune_residuals must return the residuals"):
+        bad(make((3,)).requires_grad_(), make((3,)))
+    swapped = functe.custom_vjp(
+        "mul", fwd, bwd, needs_input_grad=True, prune_residuals=lambda res, needs_input_grad: (res[1], res[0])
+    )
+    with pytest.raises(functe.RuleError, match="with some leaves replaced by None"):
+        swapped(make((3,)).requires_grad_(), make((3,)))
+
+
 @pytest.mark.parametrize(
     "recipe",
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 
@@ -460,6 +461,20 @@ def test_only_residuals_of_live_backward_steps_are_kept():
     assert "residuals kept for the backward plan: linear, constant_scale" in plan.explain()
 
 
+def _saved_storages(run) -> tuple[dict, object]:
+    """``(out, {storage pointer: shape})`` of the non-empty tensors autograd saves while ``run()`` records."""
+    saved = {}
+
+    def pack(t):
+        if t.numel():
+            saved[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, saved
+
+
 def _saved_bytes(run) -> int:
     """Bytes of distinct storages autograd saves while ``run()`` records its graph."""
     storages = {}
@@ -546,6 +561,76 @@ def test_bias_free_fused_backward_steps_keep_their_fused_path(fn, rule, monkeypa
         assert_close(g, e)
     torch.autograd.grad(fused(x, w.detach()).sum(), x)  # a frozen weight: the fallback, dx only
     assert calls
+
+
+@pytest.mark.parametrize(
+    ("fn", "rule"),
+    [
+        (lambda x, w: (lambda a, b: ops.linear(b, w) + a)(*ops.make_extra_output(x)), "backward_linear_add"),
+        (lambda x, w: ops.linear(x, w) * 0.5, "backward_linear_scale"),
+        (lambda x, w: ops.gelu(ops.linear(x, w)), "backward_linear_bias_activation"),
+        (lambda x, w: ops.linear(x, w) + x, None),
+    ],
+)
+def test_a_frozen_weight_keeps_no_input_alive_in_fused_plans(fn, rule):
+    # The plan's backward step (a fused op or linear's own) prunes the residuals it reads: with the
+    # weight frozen the linear's input is not saved, as unfused (test_core_ops).
+    x, w = make((8, 12)), make((12, 12)) * 0.5
+    assert plan_of(fn, x, w).stats["backward"].fired == ({rule: 1} if rule else {})
+    fused = functe.fuse(fn)
+    for wrt in ((True, False), (False, True), (True, True)):
+        args = [t.clone().requires_grad_(r) for t, r in zip((x, w), wrt)]
+        saved = _saved_storages(functools.partial(fused, *args))[1]
+        assert (args[0].untyped_storage().data_ptr() in saved) == wrt[1]  # x, for wgrad only
+        got = torch.autograd.grad(fused(*args).float().sum(), [a for a in args if a.requires_grad])
+        want = torch.autograd.grad(fn(*args).float().sum(), [a for a in args if a.requires_grad])
+        for g, e in zip(got, want):
+            assert_close(g, e)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda f, x, w: f.forward_linear_add(x, w, None, x * 1.0, scale=0.5, bias_op=False),
+        lambda f, x, w: f.backward_linear_add(x, w, None)[1],
+        lambda f, x, w: f.backward_linear_scale(x, w, None, scale=0.5),
+        lambda f, x, w: f.forward_linear_activation(x, w, None, activation="gelu", bias_op=False),
+        lambda f, x, w: f.backward_linear_activation(x, w, None, activation="gelu"),
+    ],
+    ids=["forward_linear_add", "backward_linear_add", "backward_linear_scale", "forward_linear_act", "backward_act"],
+)
+def test_fused_linear_ops_called_alone_prune_like_linear(call):
+    from functe.ops import _fused
+
+    x, w = make((8, 12)), make((12, 12))
+    for wrt in ((True, False), (False, True), (True, True)):
+        args = [t.clone().requires_grad_(r) for t, r in zip((x, w), wrt)]
+        y, saved = _saved_storages(functools.partial(call, _fused, *args))
+        assert (args[0].untyped_storage().data_ptr() in saved) == wrt[1]
+        wanted = [a for a in args if a.requires_grad]
+        got = torch.autograd.grad(y.sum(), wanted)
+        full = [t.clone().requires_grad_() for t in (x, w)]
+        every = torch.autograd.grad(call(_fused, *full).sum(), full)
+        for g, e in zip(got, [e for e, r in zip(every, wrt) if r]):
+            assert torch.equal(g, e)
+
+
+def test_frozen_base_weights_keep_no_linear_inputs():
+    # LoRA-style: frozen fc1/fc2 weights under trainable norm parameters and input. fc1's input (the
+    # norm's output) and fc2's (GELU's output) stayed saved for wgrads that never run.
+    p = {"g": make((32,)), "b": make((32,)), "w1": make((64, 32)), "b1": make((64,))}
+    p |= {"w2": make((32, 64)), "b2": make((32,))}
+    p = {k: v if k.startswith("w") else v.requires_grad_() for k, v in p.items()}
+    x = make((16, 32)).requires_grad_()
+    fused = functe.fuse(_mlp)
+    for fn in (_mlp, fused):
+        y, saved = _saved_storages(functools.partial(fn, x, p))
+        shapes = sorted(saved.values())
+        # the norm's input x and the weights; GELU's input z; no [16, 32] norm output, no [16, 64] h
+        assert shapes.count((16, 32)) == 1 and shapes.count((16, 64)) == 1, shapes
+        wrt = [x, p["g"], p["b"], p["b1"], p["b2"]]
+        for g, e in zip(torch.autograd.grad(y.sum(), wrt), torch.autograd.grad(_mlp(x, p).sum(), wrt)):
+            assert_close(g, e)
 
 
 def test_outputs_no_trainable_input_reaches_do_not_require_grad():

@@ -67,8 +67,8 @@ def forward_quantized(x, xq, sx, weight, bias, seed, *, recipe):
 
 def _bwd(res, dy, *, recipe, needs_input_grad=(True,) * 4):
     x, weight, wq, sinv_w, seed, has_bias = res
-    x2, dy2 = rows_view(x), rows_view(dy)
-    dtype = operand_dtype(recipe, x.dtype)
+    dy2, out_dtype = rows_view(dy), dy.dtype  # (the cotangent has the output's dtype, which is x's)
+    dtype = operand_dtype(recipe, out_dtype)
     dx = dw = None
     if needs_input_grad[0]:  # dgrad (skipped, with its casts, when x is frozen)
         sr_seed = None if seed is None else seed ^ SR_DGRAD_STREAM
@@ -78,16 +78,27 @@ def _bwd(res, dy, *, recipe, needs_input_grad=(True,) * 4):
         else:  # 1-D weight blocks run along K: dgrad needs Wᵀ quantized along N
             wt, swt, _ = cast_block(weight.t(), recipe, "weight", None, dtype)
             sinv_wt = _inv(swt)
-        dx = gemm_nt(dyq, _inv(sdy), wt, sinv_wt, out_dtype=x.dtype).reshape(x.shape)
+        dx = gemm_nt(dyq, _inv(sdy), wt, sinv_wt, out_dtype=out_dtype).reshape(*dy.shape[:-1], weight.shape[1])
     if needs_input_grad[1]:  # wgrad (its RHT and stochastic rounding included)
         dyt, sdyt = wgrad_operand(dy2, recipe, "grad_output", dtype, seed)
-        xt, sxt = wgrad_operand(x2, recipe, "input", dtype, seed)
-        dw = gemm_nt(dyt, _inv(sdyt), xt, _inv(sxt), out_dtype=x.dtype)
+        xt, sxt = wgrad_operand(rows_view(x), recipe, "input", dtype, seed)
+        dw = gemm_nt(dyt, _inv(sdyt), xt, _inv(sxt), out_dtype=out_dtype)
     dbias = BIAS_GRAD(dy2) if has_bias else None
     return dx, dw, dbias, None
 
 
-_block_linear = custom_vjp("block_linear", _fwd, _bwd, needs_input_grad=True)
+def _prune(res, *, recipe, needs_input_grad):
+    """The residuals the wanted gradients read: wgrad the input (and the seed), dgrad the weight and
+    its quantized copy."""
+    want_dx, want_dw = needs_input_grad[:2]
+    if want_dx and want_dw:
+        return res
+    x, weight, wq, sinv_w, seed, has_bias = res
+    kept_w = (weight, wq, sinv_w) if want_dx else (None, None, None)
+    return (x if want_dw else None, *kept_w, seed, has_bias)
+
+
+_block_linear = custom_vjp("block_linear", _fwd, _bwd, needs_input_grad=True, prune_residuals=_prune)
 
 
 def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, recipe: BlockRecipe, seed) -> Tensor:

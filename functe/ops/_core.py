@@ -68,7 +68,17 @@ def _linear_bwd(res, dy, *, parallel=None, needs_input_grad=(True, True, True)):
     return dx, dweight, dbias
 
 
-_linear = custom_vjp("linear", _linear_fwd, _linear_bwd, needs_input_grad=True)
+def linear_prune(res, *, parallel=None, needs_input_grad):
+    """``linear``'s residuals that the wanted gradients read: wgrad reads x, dgrad the weight (under
+    tensor parallelism every gradient runs, so everything is kept)."""
+    want_dx, want_dweight, _ = needs_input_grad
+    if parallel is not None or (want_dx and want_dweight):
+        return res
+    x, weight, has_bias = res
+    return (x if want_dweight else None, weight if want_dx else None, has_bias)
+
+
+_linear = custom_vjp("linear", _linear_fwd, _linear_bwd, needs_input_grad=True, prune_residuals=linear_prune)
 
 
 def linear(

@@ -42,6 +42,7 @@ from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST
 from ._block_linear import block_linear
+from ._core import linear_prune
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -142,9 +143,9 @@ def _bwd(res, dy, *, recipe, parallel=None, needs_input_grad=(True,) * 4):
 def grad_output_setup(res, dy2, recipe):
     """Before the grad-output cast: ``(residuals, storage dtype of dy_q, grad_output scale or None)``."""
     xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype = res
-    if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], xq.shape[1])):
+    if native and not native_ok(dy2, dims=(dy2.shape[0], dy2.shape[1], x_shape[-1])):
         native = False  # (not expected: same device and dims) decode the saved FP8 operands for the emulation
-        xq, wq = xq.to(compute_dtype(dtype)), wq.to(compute_dtype(dtype))
+        xq, wq = (None if t is None else t.to(compute_dtype(dtype)) for t in (xq, wq))
         res = (xq, sinv_x, wq, sinv_w, next_states, has_bias, native, x_shape, dtype)
     go_state = next_states[2] if next_states is not None else None
     return res, _store(recipe, "grad_output", dy2, native), go_state.scale if go_state is not None else None
@@ -199,24 +200,47 @@ def _mx_fwd(x, weight, bias, recipe, parallel=None):
 
 def _mx_bwd(res, dy, recipe, parallel=None, want=(True, True)):
     # Rowwise copies have blocks along K (fprop); dgrad reduces over N and wgrad over M, so their
-    # operands are quantized again with blocks along those dims (TE's columnwise copies).
+    # operands are quantized again with blocks along those dims (TE's columnwise copies). The input
+    # is saved only for wgrad, the weight only for dgrad (see _prune).
     x, weight, has_bias = res
-    x, dy = gather_input("fp8_linear", x, parallel), gather_grad_output("fp8_linear", dy, parallel)
-    x2, dy2, dtype = rows_view(x), rows_view(dy), x.dtype
+    dy = gather_grad_output("fp8_linear", dy, parallel)
+    dy2, dtype = rows_view(dy), dy.dtype  # (the cotangent has the output's dtype, which is x's)
     dx = dw = None
     if want[0]:
         dy_q, wt_q = _mx(dy2, recipe, "grad_output", dtype), _mx(weight.t(), recipe, "weight", dtype)
+        # (x's shape, gathered: the rows of the gathered dy, the weight's columns)
+        dx_shape = (*dy.shape[:-1], weight.shape[1])
         dx = reduce_grad_input(
-            "fp8_linear", gemm_nt(dy_q, None, wt_q, None, out_dtype=dtype).reshape(x.shape), parallel
+            "fp8_linear", gemm_nt(dy_q, None, wt_q, None, out_dtype=dtype).reshape(dx_shape), parallel
         )
     if want[1]:
+        x2 = rows_view(gather_input("fp8_linear", x, parallel))
         dyt_q, xt_q = _mx(dy2.t(), recipe, "grad_output", dtype), _mx(x2.t(), recipe, "input", dtype)
         dw = gemm_nt(dyt_q, None, xt_q, None, out_dtype=dtype)
     dbias = BIAS_GRAD(dy2) if has_bias else None
     return dx, dw, dbias, None
 
 
-_fp8_linear = custom_vjp("fp8_linear", _fwd, _bwd, needs_input_grad=True)
+def _prune(res, *, recipe, parallel=None, needs_input_grad):
+    """The residuals the wanted gradients read: wgrad the quantized input and its scale, dgrad the
+    weight's (all of them under tensor parallelism, where every gradient runs; the delayed-scaling
+    states always, for the grad-output scale and the state cotangent)."""
+    want_dx, want_dw = needs_input_grad[:2]
+    if parallel is not None or (want_dx and want_dw):
+        return res
+    if isinstance(recipe, MXFP8BlockScaling):
+        return linear_prune(res, needs_input_grad=needs_input_grad[:3])
+    xq, sinv_x, wq, sinv_w, *rest = res
+    return (
+        xq if want_dw else None,
+        sinv_x if want_dw else None,
+        wq if want_dx else None,
+        sinv_w if want_dx else None,
+        *rest,
+    )
+
+
+_fp8_linear = custom_vjp("fp8_linear", _fwd, _bwd, needs_input_grad=True, prune_residuals=_prune)
 
 
 def fp8_linear(

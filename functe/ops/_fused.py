@@ -36,7 +36,17 @@ from ..kernels.norm import LAYER_NORM_BWD_ADD, RMS_NORM_BWD_ADD
 from ..kernels.quantize import DACT_DBIAS
 from . import _activation as act
 from . import _norm as norm
-from ._core import _add_bwd, _bias, _bias_bwd, _bias_fwd, _linear_bwd, _linear_fwd, _scale_bwd, _scale_fwd
+from ._core import (
+    _add_bwd,
+    _bias,
+    _bias_bwd,
+    _bias_fwd,
+    _linear_bwd,
+    _linear_fwd,
+    _scale_bwd,
+    _scale_fwd,
+    linear_prune,
+)
 
 Tensor = torch.Tensor
 
@@ -64,6 +74,17 @@ def _frozen(needs_input_grad: tuple[bool, bool, bool], has_bias: bool) -> bool:
     absent bias is flagged False, and wants nothing)."""
     want_dx, want_dweight, want_dbias = needs_input_grad
     return not (want_dx and want_dweight and (want_dbias or not has_bias))
+
+
+def _prune_linear_at(index: int):
+    """``prune_residuals`` of a fused op whose residual ``index`` is a covered linear's (its first
+    three arguments are the linear's ``x, weight, bias``); the other ops' residuals are kept."""
+
+    def prune(res, *, needs_input_grad, **static):
+        lin = linear_prune(res[index], needs_input_grad=needs_input_grad[:3])
+        return res if lin is res[index] else (*res[:index], lin, *res[index + 1 :])
+
+    return prune
 
 
 def _linear_residuals(x: Tensor, weight: Tensor, has_bias: bool):
@@ -117,7 +138,11 @@ def _forward_linear_add_bwd(res, dy, *, scale, bias_op, needs_input_grad=(True,)
 
 
 forward_linear_add = custom_vjp(
-    "forward_linear_add", _forward_linear_add_fwd, _forward_linear_add_bwd, needs_input_grad=True
+    "forward_linear_add",
+    _forward_linear_add_fwd,
+    _forward_linear_add_bwd,
+    needs_input_grad=True,
+    prune_residuals=_prune_linear_at(0),
 )
 """``y = scale·(x·Wᵀ + bias) + extra``: one GEMM accumulating into ``extra`` (a bias adds one pass on CPU).
 
@@ -169,6 +194,7 @@ backward_linear_add = custom_vjp(
     _backward_linear_add_bwd,
     symbolic_zeros=True,
     needs_input_grad=True,
+    prune_residuals=_prune_linear_at(1),
 )
 """``(extra, y) = (x, linear(x, weight, bias))``: a forked residual feeding a linear.
 
@@ -211,7 +237,11 @@ def _backward_linear_scale_bwd(res, dy, *, scale, needs_input_grad=(True, True, 
 
 
 backward_linear_scale = custom_vjp(
-    "backward_linear_scale", _backward_linear_scale_fwd, _backward_linear_scale_bwd, needs_input_grad=True
+    "backward_linear_scale",
+    _backward_linear_scale_fwd,
+    _backward_linear_scale_bwd,
+    needs_input_grad=True,
+    prune_residuals=_prune_linear_at(0),
 )
 """``y = scale·linear(x, weight, bias)``; its backward puts ``scale`` into both GEMMs.
 
@@ -258,6 +288,7 @@ forward_linear_activation = custom_vjp(
     _forward_linear_activation_fwd,
     _forward_linear_activation_bwd,
     needs_input_grad=True,
+    prune_residuals=_prune_linear_at(0),
 )
 """``y = act(x·Wᵀ + bias)`` with the bias and the activation in the GEMM epilogue (TE's
 ForwardLinearBiasActivation, activation included). Covers ``linear, [bias], activation``; also
@@ -307,6 +338,7 @@ backward_linear_activation = custom_vjp(
     _backward_linear_activation_fwd,
     _backward_linear_activation_bwd,
     needs_input_grad=True,
+    prune_residuals=_prune_linear_at(0),
 )
 """``y = act(linear(x, weight, bias))``; its backward computes ``g = dy·act'(z)`` and the bias gradient
 in one pass (Triton GEMMs: dact as dgrad's prologue where it pays, dbias inside the wgrad GEMM; else
