@@ -28,6 +28,20 @@ def make(shape, dtype=torch.float32, *, scale=1.0, device="cpu", kind="normal"):
     return t.to(dtype).to(device)
 
 
+def saved_storages(run) -> tuple[object, dict]:
+    """``(run(), {storage pointer: shape})`` of the non-empty tensors autograd saves while ``run()`` records."""
+    saved = {}
+
+    def pack(t):
+        if t.numel():
+            saved[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, saved
+
+
 def as64(*tensors):
     """The float64 copies a reference computes on (from the already-rounded inputs)."""
     return tuple(None if t is None else t.detach().to("cpu", F64) for t in tensors)

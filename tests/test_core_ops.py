@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import FLOATS, as64, check_transforms, gradchecks, make
+from helpers import FLOATS, as64, check_transforms, gradchecks, make, saved_storages
 
 import functe
 from functe import ops
@@ -275,20 +275,6 @@ def test_frozen_weights_cost_no_weight_gradient_gemm(fused):
     assert_close(grad_w2, torch.func.grad(lambda w: _block(x, w1, b1, w).sum())(w2))
 
 
-def _saved_shapes(run) -> tuple[list[tuple[int, ...]], object]:
-    """Shapes of the distinct storages autograd saves while ``run()`` records (empty anchors left out)."""
-    saved = {}
-
-    def pack(t):
-        if t.numel():
-            saved[t.untyped_storage().data_ptr()] = tuple(t.shape)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return sorted(saved.values()), out
-
-
 def _fp8_linear_of(recipe):
     state = functe.init_linear_scaling_state(recipe)
     seed = torch.tensor(5) if isinstance(recipe, functe.NVFP4BlockScaling) else None
@@ -319,15 +305,18 @@ def test_a_frozen_weight_keeps_no_input_alive(name):
     x, w = make((32, 64)), make((16, 64))
     out = lambda y: y[0] if isinstance(y, tuple) else y
     dx_only = x.clone().requires_grad_()
-    shapes, y = _saved_shapes(lambda: out(fn(dx_only, w)))
+    y, saved = saved_storages(lambda: out(fn(dx_only, w)))
+    shapes = list(saved.values())
     assert (32, 64) not in shapes and (16, 64) in shapes
     (dx,) = torch.autograd.grad(y.sum(), dx_only)
     dw_only = w.clone().requires_grad_()
-    shapes, y = _saved_shapes(lambda: out(fn(x, dw_only)))
+    y, saved = saved_storages(lambda: out(fn(x, dw_only)))
+    shapes = list(saved.values())
     assert (32, 64) in shapes and (16, 64) not in shapes
     (dw,) = torch.autograd.grad(y.sum(), dw_only)
     both = x.clone().requires_grad_(), w.clone().requires_grad_()
-    shapes, y = _saved_shapes(lambda: out(fn(*both)))
+    y, saved = saved_storages(lambda: out(fn(*both)))
+    shapes = list(saved.values())
     assert (32, 64) in shapes and (16, 64) in shapes
     want_dx, want_dw = torch.autograd.grad(y.sum(), both)
     assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw)

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 from fuse_helpers import F64, assert_matches_float64, draw, plan_of
-from helpers import check_transforms, gradchecks, make
+from helpers import check_transforms, gradchecks, make, saved_storages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -461,20 +461,6 @@ def test_only_residuals_of_live_backward_steps_are_kept():
     assert "residuals kept for the backward plan: linear, constant_scale" in plan.explain()
 
 
-def _saved_storages(run) -> tuple[dict, object]:
-    """``(out, {storage pointer: shape})`` of the non-empty tensors autograd saves while ``run()`` records."""
-    saved = {}
-
-    def pack(t):
-        if t.numel():
-            saved[t.untyped_storage().data_ptr()] = tuple(t.shape)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return out, saved
-
-
 def _saved_bytes(run) -> int:
     """Bytes of distinct storages autograd saves while ``run()`` records its graph."""
     storages = {}
@@ -580,7 +566,7 @@ def test_a_frozen_weight_keeps_no_input_alive_in_fused_plans(fn, rule):
     fused = functe.fuse(fn)
     for wrt in ((True, False), (False, True), (True, True)):
         args = [t.clone().requires_grad_(r) for t, r in zip((x, w), wrt)]
-        saved = _saved_storages(functools.partial(fused, *args))[1]
+        saved = saved_storages(functools.partial(fused, *args))[1]
         assert (args[0].untyped_storage().data_ptr() in saved) == wrt[1]  # x, for wgrad only
         got = torch.autograd.grad(fused(*args).float().sum(), [a for a in args if a.requires_grad])
         want = torch.autograd.grad(fn(*args).float().sum(), [a for a in args if a.requires_grad])
@@ -605,7 +591,7 @@ def test_fused_linear_ops_called_alone_prune_like_linear(call):
     x, w = make((8, 12)), make((12, 12))
     for wrt in ((True, False), (False, True), (True, True)):
         args = [t.clone().requires_grad_(r) for t, r in zip((x, w), wrt)]
-        y, saved = _saved_storages(functools.partial(call, _fused, *args))
+        y, saved = saved_storages(functools.partial(call, _fused, *args))
         assert (args[0].untyped_storage().data_ptr() in saved) == wrt[1]
         wanted = [a for a in args if a.requires_grad]
         got = torch.autograd.grad(y.sum(), wanted)
@@ -624,7 +610,7 @@ def test_frozen_base_weights_keep_no_linear_inputs():
     x = make((16, 32)).requires_grad_()
     fused = functe.fuse(_mlp)
     for fn in (_mlp, fused):
-        y, saved = _saved_storages(functools.partial(fn, x, p))
+        y, saved = saved_storages(functools.partial(fn, x, p))
         shapes = sorted(saved.values())
         # the norm's input x and the weights; GELU's input z; no [16, 32] norm output, no [16, 64] h
         assert shapes.count((16, 32)) == 1 and shapes.count((16, 64)) == 1, shapes
