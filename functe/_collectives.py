@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from ._errors import ArgumentError, DistributedError, DTypeError, ShapeError, describe, dtype_name
+from ._errors import ArgumentError, DistributedError, DTypeError, ShapeError, check_flag, describe, dtype_name
 
 Tensor = torch.Tensor
 
@@ -102,14 +102,14 @@ def set_collective_checks(enabled: bool) -> None:
         >>> set_collective_checks(True)
     """
     global _checks
-    _checks = bool(enabled)
+    _checks = check_flag("set_collective_checks", "enabled", enabled)
 
 
 @contextlib.contextmanager
 def collective_checks(enabled: bool) -> Iterator[None]:
     """:func:`set_collective_checks` for a ``with`` block."""
     global _checks
-    previous, _checks = _checks, bool(enabled)
+    previous, _checks = _checks, check_flag("collective_checks", "enabled", enabled)
     try:
         yield
     finally:

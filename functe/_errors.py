@@ -9,6 +9,7 @@ would expect (``ValueError`` for shapes, ``TypeError`` for dtypes).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -125,6 +126,23 @@ def check_flag(op: str, arg: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ArgumentError(f"{_where(op, arg)} expected a bool, got {value!r}")
     return value
+
+
+def check_number(op: str, arg: str, value: Any, *, finite: bool = True, minimum: float | None = None) -> float:
+    """``value`` as a float if it is a Python number (not a bool) that a float holds (``10**400`` is
+    not), finite unless ``finite=False`` and at least ``minimum``; else an :class:`ArgumentError`."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:
+            pass
+    kind = ("a finite Python number" if finite else "a Python number") + ("" if minimum is None else f" >= {minimum:g}")
+    if number is None or (finite and not math.isfinite(number)) or (minimum is not None and not number >= minimum):
+        shown = repr(value) if isinstance(value, (int, float, str)) else describe(value)
+        shown = shown if len(shown) <= 40 else f"{shown[:37]}..."
+        raise ArgumentError(f"{_where(op, arg)} expected {kind}, got {shown}")
+    return number
 
 
 def check_same_device(op: str, tensors: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ import optree
 import torch
 
 from ._errors import StateError, describe
-from ._recipe import CurrentScaling, DelayedScaling, Recipe
+from ._recipe import CurrentScaling, DelayedScaling, Recipe, check_recipe
 from ._state import ScalingState, check_scaling_state, init_scaling_state
 from ._tree import NAMESPACE, pytree_dataclass, tree_unflatten
 from ._vjp import custom_vjp
@@ -71,7 +71,8 @@ def init_linear_scaling_state(recipe: Recipe, *, device: torch.device | str | No
         >>> functe.init_linear_scaling_state(functe.CurrentScaling()) is None
         True
     """
-    if not isinstance(recipe, DelayedScaling):
+    # (the class itself, a string or None would otherwise read as a stateless recipe)
+    if not isinstance(check_recipe("init_linear_scaling_state", recipe), DelayedScaling):
         return None
     make = lambda: init_scaling_state(recipe.amax_history_len, device=device)
     return LinearScalingState(input=make(), weight=make(), grad_output=make())
@@ -116,6 +117,16 @@ def _roll_and_clear(history: Tensor) -> Tensor:
     return torch.cat([history.new_zeros(1), history[2:], history[:1]])
 
 
+def _check_amax(op: str, amax: object, like: Tensor | None = None) -> None:
+    """``amax`` is one float value (``f32[]`` or ``[1]``), on ``like``'s device when given."""
+    if not isinstance(amax, Tensor) or not amax.is_floating_point() or amax.numel() != 1 or amax.dim() > 1:
+        raise StateError(
+            f"functe.{op}: argument 'amax' expected a float tensor of one value (f32[]), got {describe(amax)}"
+        )
+    if like is not None and amax.device != like.device:
+        raise StateError(f"functe.{op}: argument 'amax' is on {amax.device}, the state on {like.device}")
+
+
 def delayed_scaling_update(state: ScalingState, amax: Tensor, *, recipe: DelayedScaling, role: str) -> ScalingState:
     """Record ``amax`` (of a tensor just cast with ``state.scale``) and update the state, exactly as TE.
 
@@ -133,6 +144,23 @@ def delayed_scaling_update(state: ScalingState, amax: Tensor, *, recipe: Delayed
         >>> s.scale.item(), s.amax_history.tolist()  # (448 / 7) / 4
         (16.0, [0.0, 0.0, 0.0, 7.0])
     """
+    op = "delayed_scaling_update"
+    if not isinstance(recipe, DelayedScaling):
+        raise StateError(f"functe.{op}: argument 'recipe' expected a DelayedScaling, got {recipe!r}")
+    recipe.dtype(role)  # (an unknown role raises, naming the roles)
+    check_scaling_state(op, "state", state)
+    if state.amax_history.shape[-1] != recipe.amax_history_len:
+        raise StateError(
+            f"functe.{op}: argument 'state.amax_history' expected f32[{recipe.amax_history_len}] (the recipe's "
+            f"amax_history_len), got {describe(state.amax_history)}"
+        )
+    _check_amax(op, amax, state.amax_history)
+    return update_state(state, amax, recipe=recipe, role=role)
+
+
+def update_state(state: ScalingState, amax: Tensor, *, recipe: DelayedScaling, role: str) -> ScalingState:
+    """:func:`delayed_scaling_update` without its argument checks (the ops' own calls, on values
+    they validated)."""
     history = _record(state.amax_history, amax)
     window = history.amax(-1) if recipe.amax_compute_algo == "max" else history[0]
     # torch.full_like(...) / window, not fp8_max / window: a Python number divided by a tensor is
@@ -155,6 +183,15 @@ def current_scale(amax: Tensor, *, recipe: CurrentScaling, role: str) -> Tensor:
         >>> current_scale(torch.tensor(3.0), recipe=functe.CurrentScaling(power_2_scales=True), role="input").item()
         128.0
     """
+    if not isinstance(recipe, CurrentScaling):
+        raise StateError(f"functe.current_scale: argument 'recipe' expected a CurrentScaling, got {recipe!r}")
+    _check_amax("current_scale", amax)
+    return recipe_scale(amax, recipe=recipe, role=role)
+
+
+def recipe_scale(amax: Tensor, *, recipe: Recipe, role: str) -> Tensor:
+    """:func:`current_scale` for any recipe with ``amax_epsilon`` and ``power_2_scales`` (current
+    scaling, FP8 blocks), without argument checks."""
     return scale_for_amax(amax, recipe.max(role), recipe.amax_epsilon, recipe.power_2_scales)
 
 
@@ -227,6 +264,7 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
         if not _is_state(old):
             new_leaves.append(old)
             continue
+        _check_cotangent(old, ct, _keystr(path))
         new, uses = _next_state(old, ct)
         new_leaves.append(new)
         if uses is not None:
@@ -238,10 +276,31 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
 
 
 def _match(spec, grad: Any) -> list:
+    # The structures must be equal, not only their sizes: {"fc1", "fc2"} against {"fc2", "fc9"} would
+    # pair fc1's state with fc2's update.
     leaves, grad_spec = flatten_states(grad)
-    if grad_spec.num_leaves != spec.num_leaves:
+    if grad_spec != spec:
         raise StateError(f"functe.state_from_gradient: the gradient's structure {grad_spec} does not match {spec}")
     return leaves
+
+
+def _check_cotangent(old: ScalingState, ct: Any, where: str) -> None:
+    """A state's cotangent is ``None`` or a :class:`ScalingState` of the state's shapes and dtype."""
+    if ct is None:
+        return
+    if not _is_state(ct):
+        raise StateError(
+            f"functe.state_from_gradient: the gradient at {where} expected a ScalingState, got {describe(ct)}"
+        )
+    for name in ("scale", "amax_history"):
+        value, like = getattr(ct, name), getattr(old, name)
+        if value is not None and (
+            not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype
+        ):
+            raise StateError(
+                f"functe.state_from_gradient: the gradient at {where}.{name} expected {describe(like)} (the state's), "
+                f"got {describe(value)}"
+            )
 
 
 def _keystr(path: tuple) -> str:
@@ -278,7 +337,7 @@ def _combine(old: ScalingState, cts: list[ScalingState | None], recipe: DelayedS
     # Each used copy's history ends with the amax it recorded (slot -1 after the roll).
     amaxes = torch.stack([ct.amax_history[..., -1] for ct in used])
     amaxes = torch.where(counts > 0, amaxes, torch.zeros_like(amaxes))
-    new = delayed_scaling_update(old, amaxes.amax(0), recipe=recipe, role=role)
+    new = update_state(old, amaxes.amax(0), recipe=recipe, role=role)
     top = counts.amax(0)
     uses = torch.where(top > 1, top, (top > 0).to(torch.float32))
     combined = as_cotangent(new, 0.0)

@@ -40,8 +40,9 @@ import optree
 import torch
 
 from . import _trace
-from ._errors import TraceError, describe
+from ._errors import ArgumentError, TraceError, describe
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
+from ._recipe import check_recipe
 from ._trace import trace_call, vjp_call
 from ._tree import is_pytree_dataclass, rebuild_dataclass, tree_flatten, tree_leaves, tree_unflatten
 from ._vjp import (
@@ -489,9 +490,35 @@ class Plan:
         # Whether any output depends on an input (else there is nothing to differentiate: infer runs).
         self.differentiable = any(isinstance(a, Var) for a in program.outputs)
         self._variants: dict[tuple[bool, ...] | None, _Variant] = {}
+        # What the trace took as constants but may start requiring grad later (see check_captured).
+        self._captured = [
+            a.value
+            for e in program.eqns
+            for a in e.inputs
+            if isinstance(a, Literal) and isinstance(a.value, torch.Tensor)
+        ]
+        self._opaque_checks = list(
+            {id(c): c for e in program.eqns if (c := getattr(e.op, "opaque_check", None))}.values()
+        )
+        self.checks_captured = bool(self._captured or self._opaque_checks)
         full = self.variant(None)
         self.liveness, self.source, self.infer, self.op = full.liveness, full.source, full.infer, full.op
         self.eager, self.with_constants, self.run_op = full.eager, full.with_constants, full.run_op
+
+    def check_captured(self) -> None:
+        """Before the program runs as one autograd node: raise if a tensor it captured as a constant
+        (or one an opaque function reaches by name) requires grad now. The trace refused such
+        tensors, but ``requires_grad_()`` after it would make the cached plan drop their gradients
+        silently (inside the node nothing records them; unfused, autograd would)."""
+        for t in self._captured:
+            if t.requires_grad:
+                raise TraceError(
+                    f"functe.fuse({self.name}): a tensor {describe(t)} captured from the enclosing scope as a constant "
+                    "requires gradients now; pass it to the fused function as an argument, otherwise its gradient "
+                    "would be silently lost"
+                )
+        for check in self._opaque_checks:
+            check()
 
     def variant(self, needs_grad: tuple[bool, ...] | None) -> _Variant:
         """The generated functions when only the inputs flagged in ``needs_grad`` (one flag per
@@ -701,6 +728,8 @@ class Fused:
             plan = self._plans[index]
             tensors = [walked[i] for i in order]
             if plan.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                if plan.checks_captured:
+                    plan.check_captured()
                 return plan.run_op(*tensors)  # Dynamo traces the custom_vjp op
             return plan.infer(*tensors)
         index, tensors = self._lookup(args, kwargs)
@@ -716,6 +745,8 @@ class Fused:
                     needs = tuple(n or _is_wrapped(t) for n, t in zip(needs, tensors))
                 variant = plan.variant(None if all(needs) else needs)
                 if variant.liveness.live:  # (else no output depends on a trainable input)
+                    if plan.checks_captured:
+                        plan.check_captured()
                     return variant.run_op(*tensors) if functorch else variant.eager(*tensors)
         return plan.infer(*tensors)
 
@@ -851,11 +882,25 @@ def fuse(fn: Callable, *, recipe: Any = None, rules=None) -> Fused:
         >>> block.trace_count
         1
     """
-    if rules is None:
-        from .rules import DEFAULT_RULES
+    return Fused(fn, _check_rules("fuse", rules), _check_fuse_recipe("fuse", recipe))
 
-        rules = DEFAULT_RULES
-    return Fused(fn, rules, recipe)
+
+def _check_rules(op: str, rules: Any):
+    """``rules`` if it is a RuleSet (``None``: the default rules), else a clear error now rather than
+    at the first call."""
+    from .rules import DEFAULT_RULES, RuleSet  # (functe.rules imports the ops)
+
+    if rules is None:
+        return DEFAULT_RULES
+    if not isinstance(rules, RuleSet):
+        raise ArgumentError(f"functe.{op}: argument 'rules' expected a functe.rules.RuleSet, got {describe(rules)}")
+    return rules
+
+
+def _check_fuse_recipe(op: str, recipe: Any):
+    """``None`` or one of functe's recipes (the rules only read it: a typo would leave every quantized
+    linear unfused without a word)."""
+    return None if recipe is None else check_recipe(op, recipe)
 
 
 def explain(fn: Callable, *args, rules=None, recipe: Any = None, **kwargs) -> None:

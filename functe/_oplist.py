@@ -309,6 +309,10 @@ def check_oplist(oplist: OpList) -> None:
     equation's arity matches its ``in_tree`` / ``out_tree``; fused equations
     name a phase and cover at least one original equation.
     """
+    if not isinstance(oplist, OpList):
+        raise TraceError(
+            f"functe.check_oplist: argument 'oplist' expected an OpList (functe.trace's result), got {oplist!r}"
+        )
     defined: set[int] = set()
 
     def define(v: Any, where: str) -> None:

@@ -40,7 +40,7 @@ import torch
 
 from ._collectives import SINGLE, Group, collective, meet_before_raising, resolve_group
 from ._errors import ArgumentError, ShapeError, check_flag, describe
-from ._fp8_state import current_scale
+from ._fp8_state import recipe_scale
 from ._quantize import cast
 from ._recipe import DelayedScaling, Recipe
 from .kernels.elementwise import ADD_BIAS
@@ -231,6 +231,6 @@ def cast_input(op: str, x2: Tensor, recipe: Recipe, scale: Tensor | None, store:
     else:
         _, amax = CAST_AMAX(x2, torch.ones((), device=x2.device), qdtype, store, False)
         (amax,) = reduce_amax(op, (amax,), dataclasses.replace(p, amax_group=p.group))
-        scale = current_scale(amax, recipe=recipe, role="input")
+        scale = recipe_scale(amax, recipe=recipe, role="input")
         q, _ = CAST_AMAX(x2, scale, qdtype, store, True)
     return q, gather_input(op, q, p), scale, amax

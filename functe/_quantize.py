@@ -13,8 +13,18 @@ from __future__ import annotations
 import torch
 
 from ._block_quantize import dequantize_block, quantize_block
-from ._errors import DTypeError, FuncteError, ShapeError, StateError, check_tensor, describe, describe_shape, dtype_name
-from ._fp8_state import current_scale, delayed_scaling_update
+from ._errors import (
+    DTypeError,
+    FuncteError,
+    ShapeError,
+    StateError,
+    check_same_device,
+    check_tensor,
+    describe,
+    describe_shape,
+    dtype_name,
+)
+from ._fp8_state import recipe_scale, update_state
 from ._recipe import BLOCK_RECIPES, ROLES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from ._seed import seed_tensor
 from ._state import ScalingState, check_scaling_state
@@ -81,7 +91,7 @@ def cast(x: Tensor, recipe: Recipe, role: str, scale: Tensor | None, out_dtype: 
         q, amax = CAST_AMAX(x, scale, qdtype, out_dtype, True)
         return q, scale, amax
     _, amax = CAST_AMAX(x, _ONE.to(x.device), qdtype, out_dtype, False)
-    scale = current_scale(amax, recipe=recipe, role=role)
+    scale = recipe_scale(amax, recipe=recipe, role=role)
     q, _ = CAST_AMAX(x, scale, qdtype, out_dtype, True)
     return q, scale, amax
 
@@ -97,7 +107,7 @@ def cast_dbias(dy: Tensor, recipe: Recipe, role: str, scale: Tensor | None, out_
         q, dbias, amax = DBIAS_CAST_AMAX(dy, scale, qdtype, out_dtype, True)
         return q, dbias, scale, amax
     _, dbias, amax = DBIAS_CAST_AMAX(dy, _ONE.to(dy.device), qdtype, out_dtype, False)
-    scale = current_scale(amax, recipe=recipe, role=role)
+    scale = recipe_scale(amax, recipe=recipe, role=role)
     q, _ = CAST_AMAX(dy, scale, qdtype, out_dtype, True)
     return q, dbias, scale, amax
 
@@ -125,7 +135,7 @@ def cast_act(
         q, amax = ACT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
         return q, scale, amax
     _, amax = ACT_CAST_AMAX(x, _ONE.to(x.device), act, *params, qdtype, out_dtype, False)
-    scale = current_scale(amax, recipe=recipe, role=role)
+    scale = recipe_scale(amax, recipe=recipe, role=role)
     q, _ = ACT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
     return q, scale, amax
 
@@ -137,7 +147,7 @@ def cast_dact_dbias(dy: Tensor, x: Tensor, act: str, recipe: Recipe, role: str, 
         q, dbias, amax = DACT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
         return q, dbias, scale, amax
     _, dbias, amax = DACT_DBIAS_CAST_AMAX(dy, x, _ONE.to(dy.device), act, qdtype, out_dtype, False)
-    scale = current_scale(amax, recipe=recipe, role=role)
+    scale = recipe_scale(amax, recipe=recipe, role=role)
     q, _, _ = DACT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
     return q, dbias, scale, amax
 
@@ -153,7 +163,7 @@ def _delayed_or_current(run, recipe: Recipe, role: str, scale: Tensor | None, de
         *out, amax = run(scale, True)
         return (*out, scale, amax)
     _, *others, amax = run(_ONE.to(device), False)
-    scale = current_scale(amax, recipe=recipe, role=role)
+    scale = recipe_scale(amax, recipe=recipe, role=role)
     return (run(scale, True)[0], *others, scale, amax)
 
 
@@ -280,8 +290,9 @@ def quantize(
                 f"functe.quantize: argument 'state.amax_history' expected length {recipe.amax_history_len} "
                 f"(the recipe's amax_history_len), got {state.amax_history.shape[-1]}"
             )
+        check_same_device("quantize", {"x": x, "state.scale": state.scale, "state.amax_history": state.amax_history})
         data, scale, amax = cast(x, recipe, role, state.scale, qdtype)
-        new_state = delayed_scaling_update(state, amax, recipe=recipe, role=role)
+        new_state = update_state(state, amax, recipe=recipe, role=role)
         return QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), block_scales=None), new_state
     _no_state(state, recipe)
     data, scale, _ = cast(x, recipe, role, None, qdtype)
@@ -334,14 +345,17 @@ def check_quantized_layout(op: str, arg: str, q: QuantizedTensor) -> None:
         if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.dim() != 0:
             fail(field, "f32[]", value)
 
-    if not isinstance(data, Tensor) or data.dim() < 1:
-        fail("data", "a tensor of rank >= 1", data)
+    if not isinstance(data, Tensor):
+        fail("data", "a tensor", data)
+    if data.dim() < 1 and scales is not None:  # (a per-tensor FP8 scalar is fine: quantize makes one)
+        fail("data", "a tensor of rank >= 1 (blocks along the last dim)", data)
     kind = None if scales is None else scales.dtype if isinstance(scales, Tensor) else type(scales)
     if kind is torch.float8_e4m3fn:  # NVFP4: packed E2M1 codes
         data_dtype, block, k, layouts = torch.uint8, 16, 2 * data.shape[-1], "NVFP4"
         check_scalar("scale_inv", scale_inv)
     elif kind in (None, torch.uint8, torch.float32):
-        data_dtype, block, k = None, {None: 0, torch.uint8: 32, torch.float32: 128}[kind], data.shape[-1]
+        data_dtype, block = None, {None: 0, torch.uint8: 32, torch.float32: 128}[kind]
+        k = data.shape[-1] if data.dim() else 1
         layouts = {None: "per-tensor FP8", torch.uint8: "MXFP8", torch.float32: "FP8 block"}[kind]
         if data.dtype not in _FP8_DATA:
             fail("data", "float8_e4m3fn or float8_e5m2 data", data, f"{layouts} layout", DTypeError)

@@ -47,7 +47,7 @@ def init_scaling_state(history_len: int = 1024, *, device: torch.device | str | 
         >>> init_scaling_state(8).amax_history.shape
         torch.Size([8])
     """
-    if not isinstance(history_len, int) or history_len < 1:
+    if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
         raise StateError(f"functe.init_scaling_state: history_len must be an int >= 1, got {history_len!r}")
     return ScalingState(
         scale=torch.ones((), dtype=torch.float32, device=device),

@@ -358,7 +358,9 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
     """Make ``fn`` (any function of tensors) an op that a trace records as one equation.
 
     The op runs ``fn`` as-is; its backward rule differentiates ``fn`` with
-    ``torch.func.vjp`` (recomputing the forward). Keyword arguments of a call
+    ``torch.func.vjp`` (recomputing the forward from the random number
+    generators' states the forward started from, so a random ``fn`` such as
+    dropout is differentiated at the draw it made). Keyword arguments of a call
     are static. Calling the same ``fn`` twice gives the same op.
 
     Example:
@@ -372,6 +374,8 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         >>> torch.func.grad(lambda x: tanh(x).sum())(torch.zeros(2)).tolist()
         [1.0, 1.0]
     """
+    if not callable(fn):
+        raise ArgumentError(f"functe.opaque: argument 'fn' expected a function, got {describe(fn)}")
     if isinstance(fn, types.FunctionType):
         owner_table = fn.__dict__.get(_OPAQUE_ATTR)
         if owner_table is None or owner_table[0] is not fn:  # (functools.wraps copies the attribute)
@@ -384,14 +388,41 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"
 
         def fwd(*args, **static):
-            return fn(*args, **static), args
+            rng = _RandomState(args)  # (before fn draws: the backward replays the same draws)
+            return fn(*args, **static), (args, rng)
 
-        def bwd(args, ct, **static):
+        def bwd(res, ct, **static):
+            args, rng = res
             _refuse_captured_grads(fn, label)
-            return vjp_call(fn, args, ct, **static)
+            with rng.restored():
+                return vjp_call(fn, args, ct, **static)
 
         op = table[key] = custom_vjp(label, fwd, bwd)
+        # (functe.fuse checks the function's captured state per call: see Plan.check_captured)
+        op.opaque_check = functools.partial(_refuse_captured_grads, fn, label)
     return op
+
+
+class _RandomState:
+    """The random number generators' states an opaque op's forward started from (CPU, and each CUDA
+    device among its arguments), restored while its backward recomputes the forward, as
+    ``torch.utils.checkpoint`` does: a random function (dropout) gets the gradient of the very draw
+    its forward made. Not a tensor, so a constant residual (the op keeps exact second order)."""
+
+    __slots__ = ("cpu", "cuda")
+
+    def __init__(self, args: tuple):
+        self.cpu = torch.get_rng_state()
+        devices = {t.device for t in tree_flatten(args)[0] if isinstance(t, Tensor) and t.device.type == "cuda"}
+        self.cuda = {d.index: torch.cuda.get_rng_state(d) for d in devices}
+
+    @contextlib.contextmanager
+    def restored(self):
+        with torch.random.fork_rng(devices=list(self.cuda), device_type="cuda"):
+            torch.set_rng_state(self.cpu)
+            for index, state in self.cuda.items():
+                torch.cuda.set_rng_state(state, index)
+            yield
 
 
 def _refuse_captured_grads(fn: Callable, label: str) -> None:
@@ -530,11 +561,22 @@ def _div(a, b):
 
 
 def _sub(a, b, *, alpha=1):
+    _check_subtraction(a, b)
     return _add(a, _scale(b, -float(alpha)))
 
 
-def _rsub(a, b):
+def _rsub(a, b):  # b - a
+    _check_subtraction(b, a)
     return _add(b, _scale(a, -1.0))
+
+
+def _check_subtraction(a, b) -> None:
+    # (else x - 2 fails inside its own rewrite, as "int * float")
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+        raise TraceError(
+            f"functe.trace: {describe(a)} - {describe(b)} has no functe op: functe records x - y for equal "
+            "shapes (add_extra_input) and x - b for a per-feature b (bias); use functe.opaque for anything else"
+        )
 
 
 def _reshape(x, *shape):

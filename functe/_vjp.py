@@ -224,6 +224,9 @@ class CustomVJP:
     ):
         if batching not in ("forward", None):
             raise RuleError(f"custom_vjp {name}: batching must be 'forward' or None, got {batching!r}")
+        for arg, rule in (("fwd", fwd), ("bwd", bwd), ("prune_residuals", prune_residuals)):
+            if not callable(rule) and not (arg == "prune_residuals" and rule is None):
+                raise RuleError(f"custom_vjp {name}: {arg} must be a function, got {describe(rule)}")
         if prune_residuals is not None and not needs_input_grad:
             raise RuleError(f"custom_vjp {name}: prune_residuals needs needs_input_grad=True")
         self.name = name

@@ -36,6 +36,14 @@ _ARGUMENT_ERRORS = {
     "scaled_clamped_qgeglu s": lambda: ops.scaled_clamped_qgeglu(X, None),
     "reshape int dims": lambda: ops.reshape(X, (3.5, 4)),
     "reshape negative dims": lambda: ops.reshape(X, (-2, -16)),
+    # (a second API fuzz: each of these was accepted, or failed inside torch or Python)
+    "in_place non-bool": lambda: ops.add_extra_input(X, X.clone(), in_place="False"),
+    "scale too large for a float": lambda: ops.constant_scale(X, 10**400),
+    "eps too large for a float": lambda: ops.layer_norm(X, torch.ones(8), torch.zeros(8), eps=10**400),
+    "limit too large for a float": lambda: ops.clamped_swiglu(X, limit=10**400),
+    "set_collective_checks non-bool": lambda: functe.set_collective_checks("no"),
+    "fuse rules": lambda: functe.fuse(lambda x: x, rules="none"),
+    "opaque of a non-function": lambda: functe.opaque(3),
 }
 
 
@@ -247,3 +255,110 @@ def test_a_rule_may_pass_none_for_an_absent_input():
         rewrite=lambda m: m.fuse(tl, [m["x"], m["w"], None]),
     )  # fmt: skip
     check(rule, (make((3, 4)), make((5, 4))), fn=lambda x, w: tanh(ops.linear(x, w)))
+
+
+# ----------------------------------------------------------------------------- a second API fuzz (states, recipes)
+
+
+def test_in_place_must_be_a_bool_and_leaves_the_buffer_alone():
+    extra = torch.ones(3)
+    with pytest.raises(functe.ArgumentError, match=r"add_extra_input: argument 'in_place' expected a bool"):
+        ops.add_extra_input(torch.ones(3), extra, in_place="False")  # truthy: it donated extra
+    assert torch.equal(extra, torch.ones(3))
+
+
+_STATE = functe.init_scaling_state(4)
+_DS = functe.DelayedScaling(amax_history_len=4)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: functe.init_linear_scaling_state(functe.DelayedScaling), functe.RecipeError, r"'recipe' expected"),
+        (lambda: functe.init_linear_scaling_state("delayed"), functe.RecipeError, r"'recipe' expected"),
+        (lambda: functe.init_linear_scaling_state(None), functe.RecipeError, r"'recipe' expected"),
+        (lambda: functe.init_scaling_state(True), functe.StateError, r"history_len must be an int >= 1, got True"),
+        (
+            lambda: functe.delayed_scaling_update(
+                _STATE, torch.tensor(1.0), recipe=functe.CurrentScaling(), role="input"
+            ),
+            functe.StateError,
+            r"delayed_scaling_update: argument 'recipe' expected a DelayedScaling",
+        ),
+        (
+            lambda: functe.delayed_scaling_update(_STATE, torch.ones(4), recipe=_DS, role="input"),
+            functe.StateError,
+            r"argument 'amax' expected a float tensor of one value \(f32\[\]\), got f32\[4\]",
+        ),
+        (
+            lambda: functe.delayed_scaling_update(_STATE, 3.0, recipe=_DS, role="input"),
+            functe.StateError,
+            r"argument 'amax' expected a float tensor of one value",
+        ),
+        (
+            lambda: functe.delayed_scaling_update(
+                functe.ScalingState(torch.ones((), dtype=torch.float64), torch.zeros(4)),
+                torch.tensor(1.0),
+                recipe=_DS,
+                role="input",
+            ),
+            functe.StateError,
+            r"argument 'state\.scale' expected float32",
+        ),
+        (
+            lambda: functe.delayed_scaling_update(
+                functe.init_scaling_state(8), torch.tensor(1.0), recipe=_DS, role="input"
+            ),
+            functe.StateError,
+            r"'state\.amax_history' expected f32\[4\] \(the recipe's amax_history_len\), got f32\[8\]",
+        ),
+        (
+            lambda: functe.current_scale(torch.tensor(1.0), recipe=_DS, role="input"),
+            functe.StateError,
+            r"current_scale: argument 'recipe' expected a CurrentScaling",
+        ),
+        (
+            lambda: functe.current_scale(3.0, recipe=functe.CurrentScaling(), role="input"),
+            functe.StateError,
+            r"current_scale: argument 'amax' expected a float tensor",
+        ),
+        (
+            lambda: functe.quantize(make((4, 8)), _DS, state=functe.init_scaling_state(4, device="meta")),
+            functe.FuncteError,
+            r"functe\.quantize: .*meta",
+        ),
+        (lambda: functe.fuse(lambda x: x, recipe="fp8"), functe.RecipeError, r"fuse: argument 'recipe' expected"),
+        (lambda: functe.check_oplist(3), functe.TraceError, r"check_oplist: argument 'oplist' expected an OpList"),
+        (lambda: functe.custom_vjp("f", 1, 2), functe.RuleError, r"custom_vjp f: fwd must be a function, got int"),
+    ],
+)
+def test_state_and_recipe_helpers_check_their_arguments(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_state_from_gradient_pairs_states_by_key_and_checks_each_gradient():
+    s, new = functe.init_scaling_state(4), functe.ScalingState(torch.full((), 7.0), torch.zeros(4))
+    # pairing by position gave fc1 fc2's update and left fc2's own state unchanged
+    with pytest.raises(functe.StateError, match=r"gradient's structure .* does not match"):
+        functe.state_from_gradient({"fc1": s, "fc2": s}, {"fc2": new, "fc9": s})
+    with pytest.raises(functe.StateError, match=r"gradient at state\.fc1 expected a ScalingState, got f32\[3\]"):
+        functe.state_from_gradient({"fc1": s}, {"fc1": torch.zeros(3)})
+    with pytest.raises(
+        functe.StateError, match=r"gradient at state\.amax_history expected f32\[4\] \(the state's\), got f32\[8\]"
+    ):
+        functe.state_from_gradient(s, functe.ScalingState(torch.zeros(()), torch.zeros(8)))
+    with pytest.raises(
+        functe.StateError, match=r"gradient at state\.scale expected f32\[\] \(the state's\), got f64\[\]"
+    ):
+        functe.state_from_gradient(s, functe.ScalingState(torch.zeros((), dtype=torch.float64), torch.zeros(4)))
+    used = functe.ScalingState(torch.full((), 7.0), torch.tensor([1.0, 0.0, 0.0, 2.0]))
+    assert functe.state_from_gradient({"fc1": s, "fc2": s}, {"fc1": used, "fc2": None})["fc1"].scale.item() == 7.0
+
+
+def test_a_per_tensor_fp8_scalar_dequantizes():
+    # quantize accepted a 0-d tensor and dequantize refused its own result
+    for recipe in (functe.CurrentScaling(), _DS):
+        state = functe.init_scaling_state(4) if recipe is _DS else None
+        q, _ = functe.quantize(torch.tensor(-3.0), recipe, state=state)
+        assert functe.dequantize(q).item() == -3.0

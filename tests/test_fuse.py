@@ -736,3 +736,33 @@ def test_cuda_dispatch_and_graph_capture_of_a_training_step():
     for g, e in zip(grads, expected):
         assert_close(g, e)
     assert fused.trace_count == 1
+
+
+def test_a_captured_tensor_that_starts_requiring_grad_is_refused_by_the_cached_plan():
+    # The trace refuses a captured tensor that requires grad, but requires_grad_() after the first call
+    # made the cached plan drop its gradient silently (unfused autograd records it).
+    base = make((4, 4))
+    fused = functe.fuse(lambda x: ops.linear(x, base))
+    x = make((2, 4)).requires_grad_()
+    fused(x)
+    base.requires_grad_()
+    with pytest.raises(
+        functe.TraceError, match=r"captured from the enclosing scope as a constant requires gradients now"
+    ):
+        fused(x)
+    assert torch.equal(fused(x.detach()), ops.linear(x.detach(), base))  # no node: autograd records base
+
+
+def test_an_opaque_function_using_a_trainable_captured_tensor_is_refused_when_fused():
+    # With its own arguments frozen the opaque step is not live, its forward ran inside the program's
+    # node, and W's gradient was lost without a word (unfused, autograd records through fn).
+    w = make((4, 4)).requires_grad_()
+    proj = functe.opaque(lambda x: torch.tanh(x @ w))
+    fused = functe.fuse(lambda x, w2: ops.linear(proj(x), w2))
+    x, w2 = make((3, 4)), make((2, 4)).requires_grad_()
+    with pytest.raises(functe.ArgumentError, match=r"uses f32\[4,4\] that requires grad without taking it"):
+        fused(x, w2)
+    # nothing trainable among the arguments: the plan runs without a node and autograd reaches w
+    (dw,) = torch.autograd.grad(fused(x, w2.detach()).sum(), w)
+    (want,) = torch.autograd.grad(ops.linear(torch.tanh(x @ w), w2.detach()).sum(), w)
+    assert_close(dw, want)

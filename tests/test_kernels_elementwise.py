@@ -21,6 +21,19 @@ def test_axpby(shape, dtype):
     x, e = make(shape, dtype), make(shape, dtype)
     check_kernel(elementwise.AXPBY, (x, e, -2.5, 0.5), lambda x, e, a, b: a * x + b * e)
     check_kernel(elementwise.AXPBY, (x, None, 3.5, 0.0), lambda x, e, a, b: a * x)
+    # e is x itself (x + x, or make_extra_output's two cotangents as one tensor): the launcher took
+    # "e is x" for "no e" and dropped beta·e
+    check_kernel(elementwise.AXPBY, (x, x, -2.5, 0.5), lambda x, e, a, b: a * x + b * e)
+
+
+def test_an_add_of_a_tensor_to_itself():
+    x = make((2, 13))
+    for backend in ("torch", "interpret"):
+        with functe.use_backend(backend):
+            assert torch.equal(functe.ops.add_extra_input(x, x), x + x)
+            assert torch.equal(functe.fuse(lambda x: x + x)(x), x + x)
+            _, vjp = torch.func.vjp(functe.ops.make_extra_output, x)
+            assert torch.equal(vjp((x, x))[0], x + x)
 
 
 @pytest.mark.parametrize("dtype", [*FLOATS, F64])

@@ -227,3 +227,22 @@ def test_trace_on_a_device_that_is_not_present_records_it():
     x = torch.empty(2, 3, device="meta")
     oplist = functe.trace(lambda x: x * 2.0)(functe._trace.shape_only(x.shape, x.dtype, torch.device("cuda", 0)))
     assert oplist.eqns[0].outputs[0].device == torch.device("cuda", 0)
+
+
+def test_an_opaque_random_function_is_differentiated_at_the_draw_it_made():
+    # The backward recomputed fn with the generator already advanced: dropout's gradient used another
+    # mask than its forward (eager, fused and torch.func alike).
+    drop = functe.opaque(torch.nn.functional.dropout)
+    torch.manual_seed(0)
+    x = torch.ones(1000, requires_grad=True)
+    y = drop(x, p=0.5)
+    after_forward = torch.get_rng_state()
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g, y.detach())  # 2 where kept, 0 where dropped
+    assert torch.equal(torch.get_rng_state(), after_forward)  # the backward leaves the generator alone
+    fused = functe.fuse(lambda x, w: ops.linear(drop(x, p=0.5), w))
+    x2 = torch.ones(6, 64, requires_grad=True)
+    y2 = fused(x2, torch.eye(64))  # the dropped x itself (identity weight), and so is its gradient
+    assert torch.equal(torch.autograd.grad(y2.sum(), x2)[0], y2.detach())
+    y3, pull = torch.func.vjp(lambda x: drop(x, p=0.5), torch.ones(1000))
+    assert torch.equal(pull(torch.ones(1000))[0], y3)

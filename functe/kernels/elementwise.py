@@ -39,10 +39,12 @@ def axpby(x: Tensor, e: Tensor | None, alpha: float, beta: float) -> Tensor:
     y = torch.empty_like(x)
     n = x.numel()
     if n:
-        e = x if e is None else e.contiguous()
+        # (HAS_E says whether e was given: e may be x itself, x + x, which must not lose its second term)
+        has_e = e is not None
+        e = e.contiguous() if has_e else x
         grid = (triton.cdiv(n, ELEMENTWISE_BLOCK),)
         _axpby_kernel[grid](
-            x, e, y, n, alpha, beta, HAS_E=e is not x, BLOCK=ELEMENTWISE_BLOCK, COMPUTE=tl_compute_dtype(x.dtype)
+            x, e, y, n, alpha, beta, HAS_E=has_e, BLOCK=ELEMENTWISE_BLOCK, COMPUTE=tl_compute_dtype(x.dtype)
         )
     return y
 

@@ -8,13 +8,12 @@ second derivatives are exact). Formulas and conventions: ``docs/activations.md``
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._errors import (
     ArgumentError,
     ShapeError,
+    check_number,
     check_same_device,
     check_tensor,
     describe,
@@ -59,14 +58,6 @@ def _bwd(res, dy, *, name, interleave, limit, alpha, offset):
 _activation = custom_vjp("activation", _fwd, _bwd)
 
 
-def _number(op: str, arg: str, value, *, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ArgumentError(f"functe.{op}: argument '{arg}' expected a finite Python number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ArgumentError(f"functe.{op}: argument '{arg}' expected a number >= {minimum}, got {value!r}")
-    return float(value)
-
-
 def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: dict | None) -> Tensor:
     """Validate and run activation ``name`` (``clamp``: the clamped-SwiGLU parameters or None)."""
     check_tensor(op, "x", x)
@@ -105,9 +96,9 @@ def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: d
         check_same_device(op, {"x": x, "s": s})
     if clamp is None:
         return _activation(x, s, name=name, interleave=k, limit=0.0, alpha=0.0, offset=0.0)
-    limit = _number(op, "limit", clamp["limit"], minimum=0.0)
-    alpha = _number(op, "alpha", clamp["alpha"])
-    offset = _number(op, "glu_linear_offset", clamp["glu_linear_offset"])
+    limit = check_number(op, "limit", clamp["limit"], minimum=0.0)
+    alpha = check_number(op, "alpha", clamp["alpha"])
+    offset = check_number(op, "glu_linear_offset", clamp["glu_linear_offset"])
     return _activation(x, s, name=name, interleave=k, limit=limit, alpha=alpha, offset=offset)
 
 

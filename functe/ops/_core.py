@@ -17,6 +17,8 @@ from .._errors import (
     FLOAT_DTYPES,
     ArgumentError,
     ShapeError,
+    check_flag,
+    check_number,
     check_same_device,
     check_same_dtype,
     check_tensor,
@@ -214,7 +216,8 @@ def add_extra_input(x: Tensor, extra: Tensor, *, in_place: bool = False) -> Tens
         raise shape_error("add_extra_input", "extra", describe_shape(x.dtype, tuple(x.shape)), extra)
     check_same_dtype("add_extra_input", "extra", extra, x, "x")
     check_same_device("add_extra_input", {"x": x, "extra": extra})
-    if in_place and _donatable(x, extra) and extra.is_contiguous():
+    # (a truthy non-bool, in_place="False", would donate, and overwrite, the caller's buffer)
+    if check_flag("add_extra_input", "in_place", in_place) and _donatable(x, extra) and extra.is_contiguous():
         return extra.add_(x)
     return _add_extra_input(x, extra)
 
@@ -276,11 +279,7 @@ def constant_scale(x: Tensor, scale: float) -> Tensor:
         [-2.5, -2.5]
     """
     check_tensor("constant_scale", "x", x)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ArgumentError(
-            f"functe.constant_scale: argument 'scale' expected a Python number, got {type(scale).__name__}"
-        )
-    return _constant_scale(x, scale=float(scale))
+    return _constant_scale(x, scale=check_number("constant_scale", "scale", scale, finite=False))
 
 
 def _identity_fwd(x):

@@ -23,7 +23,7 @@ import torch
 
 from .._errors import FuncteError, check_same_device, check_same_dtype, check_tensor, describe_shape, shape_error
 from .._fp8_gemm import compute_dtype, gemm_nt, native_ok
-from .._fp8_state import LinearScalingState, as_cotangent, check_linear_state, delayed_scaling_update
+from .._fp8_state import LinearScalingState, as_cotangent, check_linear_state, update_state
 from .._parallel import (
     cast_input,
     gather_grad_output,
@@ -107,8 +107,8 @@ def forward_quantized(
     if delayed:
         amax_x, amax_w = reduce_amax("fp8_linear", (amax_x, amax_w), parallel)
         next_states = (
-            delayed_scaling_update(state.input, amax_x, recipe=recipe, role="input"),
-            delayed_scaling_update(state.weight, amax_w, recipe=recipe, role="weight"),
+            update_state(state.input, amax_x, recipe=recipe, role="input"),
+            update_state(state.weight, amax_w, recipe=recipe, role="weight"),
             state.grad_output,
         )
     residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x_shape, dtype)
@@ -165,7 +165,7 @@ def backward_quantized(res, dyq, sdy, amax_dy, *, recipe, parallel=None, want=(T
     if next_states is not None:
         new_in, new_w, go_state = next_states
         (amax_dy,) = reduce_amax("fp8_linear", (amax_dy,), parallel)
-        new_go = delayed_scaling_update(go_state, amax_dy, recipe=recipe, role="grad_output")
+        new_go = update_state(go_state, amax_dy, recipe=recipe, role="grad_output")
         state_ct = LinearScalingState(
             input=as_cotangent(new_in), weight=as_cotangent(new_w), grad_output=as_cotangent(new_go)
         )

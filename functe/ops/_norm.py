@@ -11,13 +11,11 @@ See ``docs/activations.md``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._errors import (
-    ArgumentError,
     check_flag,
+    check_number,
     check_same_device,
     check_same_dtype,
     check_tensor,
@@ -49,9 +47,7 @@ def _check(op: str, x: Tensor, params: dict[str, Tensor], eps) -> float:
             raise shape_error(op, arg, expected, value, f"one value per feature: x.shape[-1] = {n}")
         check_same_dtype(op, arg, value, x, "x")
     check_same_device(op, {"x": x, **params})
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ArgumentError(f"functe.{op}: argument 'eps' expected a finite Python number >= 0, got {eps!r}")
-    return float(eps)
+    return check_number(op, "eps", eps, minimum=0.0)
 
 
 def _layer_norm_fwd(x, weight, bias, *, eps, zero_centered_gamma):
