@@ -42,6 +42,28 @@ def saved_storages(run) -> tuple[object, dict]:
     return out, saved
 
 
+class GemmCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products (mm/addmm/bmm) dispatched while active."""
+
+    GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
+
+    def __init__(self):
+        super().__init__()
+        self.gemms = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.gemms += str(func).startswith(self.GEMMS)
+        return func(*args, **(kwargs or {}))
+
+
+def backward_gemms(fn, args, wrt) -> int:
+    """How many GEMMs ``torch.autograd.grad`` of ``fn(*args).sum()`` with respect to ``wrt`` runs."""
+    out = fn(*args)
+    with GemmCounter() as counter:
+        torch.autograd.grad(out.sum(), wrt)
+    return counter.gemms
+
+
 def as64(*tensors):
     """The float64 copies a reference computes on (from the already-rounded inputs)."""
     return tuple(None if t is None else t.detach().to("cpu", F64) for t in tensors)

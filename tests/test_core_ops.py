@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import FLOATS, as64, check_transforms, gradchecks, make, saved_storages
+from helpers import FLOATS, as64, backward_gemms, check_transforms, gradchecks, make, saved_storages
 
 import functe
 from functe import ops
@@ -227,27 +227,6 @@ def test_other_argument_errors():
         ops.linear(torch.zeros(4, 16), torch.zeros(8, 15))
 
 
-class _GemmCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the matrix products (mm/addmm/bmm) dispatched while active."""
-
-    GEMMS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
-
-    def __init__(self):
-        super().__init__()
-        self.gemms = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.gemms += str(func).startswith(self.GEMMS)
-        return func(*args, **(kwargs or {}))
-
-
-def _backward_gemms(fn, args, wrt) -> int:
-    out = fn(*args)
-    with _GemmCounter() as counter:
-        torch.autograd.grad(out.sum(), wrt)
-    return counter.gemms
-
-
 def _block(x, w1, b1, w2):
     return ops.linear(ops.gelu(ops.linear(x, w1, b1)), w2) * 0.5 + x
 
@@ -259,11 +238,11 @@ def test_frozen_weights_cost_no_weight_gradient_gemm(fused):
     fn = functe.fuse(_block) if fused else _block
     x, w1, b1, w2 = make((8, 16)), make((32, 16)), make((32,)), make((16, 32))
     trainable_x = x.clone().requires_grad_()
-    assert _backward_gemms(fn, (trainable_x, w1, b1, w2), trainable_x) == 2  # two dgrads
+    assert backward_gemms(fn, (trainable_x, w1, b1, w2), trainable_x) == 2  # two dgrads
     trainable_w2 = w2.clone().requires_grad_()
-    assert _backward_gemms(fn, (x, w1, b1, trainable_w2), trainable_w2) == 1  # fc2's wgrad alone
+    assert backward_gemms(fn, (x, w1, b1, trainable_w2), trainable_w2) == 1  # fc2's wgrad alone
     every = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
-    assert _backward_gemms(fn, every, every) == 4
+    assert backward_gemms(fn, every, every) == 4
     for args in ((trainable_x, w1, b1, w2), (x, w1, b1, trainable_w2), every):
         wrt = [a for a in args if a.requires_grad]
         got = torch.autograd.grad(fn(*args).sum(), wrt)
@@ -372,8 +351,8 @@ def test_a_frozen_fp8_weight_costs_no_wgrad_gemm(recipe):
 
     x, w = make((32, 64)), make((16, 64))
     trainable_x, trainable_w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    assert _backward_gemms(fn, (trainable_x, w), trainable_x) == 1
-    assert _backward_gemms(fn, (x, trainable_w), trainable_w) == 1
-    assert _backward_gemms(fn, (trainable_x, trainable_w), (trainable_x, trainable_w)) == 2
+    assert backward_gemms(fn, (trainable_x, w), trainable_x) == 1
+    assert backward_gemms(fn, (x, trainable_w), trainable_w) == 1
+    assert backward_gemms(fn, (trainable_x, trainable_w), (trainable_x, trainable_w)) == 2
     (dx,) = torch.autograd.grad(fn(trainable_x, w).sum(), trainable_x)
     assert torch.equal(dx, torch.autograd.grad(fn(trainable_x, trainable_w).sum(), trainable_x)[0])

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 from fuse_helpers import F64, assert_matches_float64, draw, plan_of
-from helpers import check_transforms, gradchecks, make, saved_storages
+from helpers import backward_gemms, check_transforms, gradchecks, make, saved_storages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -520,6 +520,27 @@ def test_a_fused_backward_step_over_a_frozen_op_runs_its_parts():
     assert torch.equal(torch.autograd.grad(y.sum(), b)[0], torch.autograd.grad(want.sum(), b)[0])
     only_b = (False, False, True)
     assert [e.name for e in fused.plan(x, w, b).variant(only_b).liveness.residuals] == ["bias", "activation"]
+
+
+def test_a_fused_fp8_backward_step_skips_a_frozen_weights_wgrad_and_residuals():
+    # backward_fp8_linear_bias_activation computed dW and kept x_q whatever was wanted: fused FP8 with
+    # frozen weights ran a wgrad GEMM and saved an input copy that unfused fp8_linear skips.
+    recipe = functe.CurrentScaling()
+    fn = lambda x, w, b: ops.gelu(ops.fp8_linear(x, w, None, None, recipe=recipe) + b)
+    fused = functe.fuse(fn)
+    x, w, b = make((64, 128)).requires_grad_(), make((256, 128)) * 0.1, make((256,)).requires_grad_()
+    assert fused.plan(x, w, b).stats["backward"].fired == {"backward_fp8_linear_bias_activation": 1}
+    assert backward_gemms(fused, (x, w, b), (x, b)) == backward_gemms(fn, (x, w, b), (x, b)) == 1
+    y, saved = saved_storages(lambda: fused(x, w, b))
+    assert (64, 128) not in saved.values()  # no quantized copy of x
+    for g, e in zip(torch.autograd.grad(y.sum(), (x, b)), torch.autograd.grad(fn(x, w, b).sum(), (x, b))):
+        assert torch.equal(g, e)
+    w_only = w.clone().requires_grad_()
+    assert backward_gemms(fused, (x.detach(), w_only, b.detach()), w_only) == 1
+    assert torch.equal(
+        torch.autograd.grad(fused(x.detach(), w_only, b.detach()).sum(), w_only)[0],
+        torch.autograd.grad(fn(x.detach(), w_only, b.detach()).sum(), w_only)[0],
+    )
 
 
 @pytest.mark.parametrize(

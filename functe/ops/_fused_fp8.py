@@ -124,18 +124,30 @@ def _backward_fp8_linear_activation_fwd(x, weight, bias, state, extra_bias, *, a
     return y, (*res, act_res)
 
 
-def _backward_fp8_linear_activation_bwd(res, dy, *, activation, recipe):
+def _backward_fp8_linear_activation_bwd(res, dy, *, activation, recipe, needs_input_grad=(True,) * 5):
     lin_res, (z, _) = res[0], res[-1]
     dy2 = rows_view(dy)
     lin_res, store, scale = fp8.grad_output_setup(lin_res, dy2, recipe)
     gq, dbias, sg, amax = cast_dact_output_dbias(dy2, rows_view(z), activation, recipe, "grad_output", scale, store)
-    dx, dweight, state_ct = fp8.backward_quantized(lin_res, gq, sg, amax, recipe=recipe)
+    # (only the wanted GEMMs: a frozen weight's wgrad, whose residuals _prune dropped, is skipped)
+    want = needs_input_grad[:2]
+    dx, dweight, state_ct = fp8.backward_quantized(lin_res, gq, sg, amax, recipe=recipe, want=want)
     # Both biases (the linear's own, a separate bias op's) have the gradient Σ_rows g.
     return dx, dweight, dbias if lin_res[5] else None, state_ct, dbias if len(res) == 3 else None
 
 
+def _prune_backward_fp8_linear_activation(res, *, activation, recipe, needs_input_grad):
+    """fp8_linear's pruning of its residuals (the first); the bias's and activation's are kept."""
+    lin = fp8._prune(res[0], recipe=recipe, needs_input_grad=needs_input_grad[:4])
+    return res if lin is res[0] else (lin, *res[1:])
+
+
 backward_fp8_linear_activation = custom_vjp(
-    "backward_fp8_linear_activation", _backward_fp8_linear_activation_fwd, _backward_fp8_linear_activation_bwd
+    "backward_fp8_linear_activation",
+    _backward_fp8_linear_activation_fwd,
+    _backward_fp8_linear_activation_bwd,
+    needs_input_grad=True,
+    prune_residuals=_prune_backward_fp8_linear_activation,
 )
 """``act(fp8_linear(x, weight, bias, state) [+ extra_bias])``; its backward computes
 ``g = dy·act'(z)``, the bias gradient and the quantization of ``g`` with the linear's grad-output
