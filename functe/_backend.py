@@ -49,7 +49,14 @@ def get_backend() -> str:
 
 
 def set_backend(name: str) -> None:
-    """Set the global backend (``"auto"``, ``"torch"`` or ``"interpret"``)."""
+    """Set the global backend (``"auto"``, ``"torch"`` or ``"interpret"``).
+
+    Example:
+        >>> import functe
+        >>> functe.set_backend("torch"); functe.get_backend()
+        'torch'
+        >>> functe.set_backend("auto")
+    """
     global _current
     _current = _validated(name, "set_backend")
 

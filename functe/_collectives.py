@@ -107,7 +107,12 @@ def set_collective_checks(enabled: bool) -> None:
 
 @contextlib.contextmanager
 def collective_checks(enabled: bool) -> Iterator[None]:
-    """:func:`set_collective_checks` for a ``with`` block."""
+    """:func:`set_collective_checks` for a ``with`` block.
+
+    Example:
+        >>> with collective_checks(False):
+        ...     pass  # collectives here skip the cross-rank signature check
+    """
     global _checks
     previous, _checks = _checks, check_flag("collective_checks", "enabled", enabled)
     try:

@@ -59,7 +59,19 @@ def describe_shape(dtype: torch.dtype | None, shape) -> str:
 
 
 class FuncteError(Exception):
-    """Base class of every error functe raises on purpose."""
+    """Base class of every error functe raises on purpose.
+
+    Each subclass also derives from the built-in error callers caught before (``ValueError``,
+    ``TypeError``), and every message starts with ``functe.<op>:`` and names the argument.
+
+    Example:
+        >>> import torch, functe
+        >>> try:
+        ...     functe.ops.linear(torch.zeros(4, 16), torch.zeros(8, 15))
+        ... except functe.FuncteError as error:
+        ...     print(type(error).__name__, isinstance(error, ValueError))
+        ShapeError True
+    """
 
 
 class ShapeError(FuncteError, ValueError):

@@ -475,6 +475,14 @@ class Plan:
         stats: ``{"joint" | "forward" | "backward": RewriteStats}``.
         source: the generated Python of ``infer``, ``forward`` and ``backward``.
         op: the custom_vjp op running the whole program.
+
+    Example:
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> fused = functe.fuse(lambda x, w, r: ops.linear(x, w) + r)
+        >>> plan = fused.plan(torch.ones(4, 8), torch.ones(16, 8), torch.ones(4, 16))
+        >>> plan.stats["forward"].fired, "def backward(res, cts):" in plan.source
+        ({'forward_linear_bias_add': 1}, True)
     """
 
     def __init__(self, program: OpList, rules, recipe, name: str):
@@ -705,6 +713,13 @@ class Fused:
 
     Attributes:
         trace_count: how many times ``fn`` was traced (once per new signature).
+
+    Example:
+        >>> import torch, functe
+        >>> fused = functe.fuse(lambda x: 2.0 * x)
+        >>> _ = fused(torch.ones(3)), fused(torch.zeros(3)), fused(torch.ones(5))
+        >>> fused.trace_count  # one plan per shape
+        2
     """
 
     def __init__(self, fn: Callable, rules, recipe):

@@ -42,7 +42,13 @@ Tensor = torch.Tensor
 
 
 class Var:
-    """A traced value: shape, dtype and the (real) device it lives on."""
+    """A traced value: shape, dtype and the (real) device it lives on.
+
+    Example:
+        >>> import torch
+        >>> Var((4, 16), torch.float32, "cpu").aval
+        'f32[4,16]'
+    """
 
     __slots__ = ("device", "dtype", "shape")
 
@@ -156,6 +162,15 @@ class OpList:
     ``in_tree`` is the structure of ``(args, kwargs)`` of the traced call, with
     ``static`` holding its non-tensor leaves (``position -> value``); ``inputs``
     are the vars of its tensor leaves, in flattening order.
+
+    Example:
+        >>> import torch, functe
+        >>> program = functe.trace(lambda x, y: x + 2.0 * y)(torch.ones(2), torch.ones(2))
+        >>> [v.aval for v in program.inputs], [e.name for e in program.eqns]
+        (['f32[2]', 'f32[2]'], ['constant_scale', 'add_extra_input'])
+        >>> eqn = program.eqns[0]
+        >>> eqn.params, eqn.inputs[0] is program.inputs[1], isinstance(eqn.outputs[0], functe.Var)
+        ({'scale': 2.0}, True, True)
     """
 
     __slots__ = ("eqns", "in_tree", "inputs", "out_tree", "outputs", "static")
@@ -308,6 +323,15 @@ def check_oplist(oplist: OpList) -> None:
     and before it is used; atoms are :class:`Var` or :class:`Literal`; each
     equation's arity matches its ``in_tree`` / ``out_tree``; fused equations
     name a phase and cover at least one original equation.
+
+    Example:
+        >>> import torch, functe
+        >>> program = functe.trace(lambda x: 2.0 * x)(torch.ones(3))
+        >>> functe.check_oplist(program)  # valid: returns None
+        >>> functe.check_oplist(program.replace(eqns=program.eqns * 2))  # its output defined twice
+        Traceback (most recent call last):
+        ...
+        functe._errors.TraceError: functe.check_oplist: eqn 1 (constant_scale) redefines Var(f32[3]) ...
     """
     if not isinstance(oplist, OpList):
         raise TraceError(

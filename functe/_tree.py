@@ -39,17 +39,33 @@ def tree_flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
 
 
 def tree_unflatten(spec: PyTreeSpec, leaves) -> Any:
-    """Inverse of :func:`tree_flatten`."""
+    """Inverse of :func:`tree_flatten`.
+
+    Example:
+        >>> leaves, spec = tree_flatten({"b": 2, "a": (1, None)})
+        >>> tree_unflatten(spec, [10, 20, 30])
+        {'b': 30, 'a': (10, 20)}
+    """
     return optree.tree_unflatten(spec, leaves)
 
 
 def tree_leaves(tree: Any) -> list[Any]:
-    """The leaves of ``tree`` in flattening order (``None`` included)."""
+    """The leaves of ``tree`` in flattening order (``None`` included).
+
+    Example:
+        >>> tree_leaves({"b": 2, "a": (1, None)})
+        [1, None, 2]
+    """
     return optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
 def tree_structure(tree: Any) -> PyTreeSpec:
-    """The spec of ``tree`` without its leaves."""
+    """The spec of ``tree`` without its leaves.
+
+    Example:
+        >>> tree_structure((1, [2, None])).num_leaves
+        3
+    """
     return optree.tree_structure(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 

@@ -31,7 +31,14 @@ TOLERANCES: dict[object, tuple[float, float]] = {
 
 
 def tolerance(dtype: object) -> tuple[float, float]:
-    """``(rtol, atol)`` for results computed in ``dtype`` (a torch dtype or ``"e2m1"``)."""
+    """``(rtol, atol)`` for results computed in ``dtype`` (a torch dtype or ``"e2m1"``).
+
+    Example:
+        >>> import torch
+        >>> rtol, atol = tolerance(torch.bfloat16)
+        >>> rtol > tolerance(torch.float32)[0]
+        True
+    """
     try:
         return TOLERANCES[dtype]
     except KeyError:

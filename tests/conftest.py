@@ -2,8 +2,9 @@
 
 Tests that take the ``backend`` fixture run once with the PyTorch twins and
 once with the Triton kernels through Triton's interpreter, so every kernel is
-checked on a CPU-only machine. With a GPU, ``FUNCTE_TEST_CUDA=1`` adds a CUDA
-run of the same tests.
+checked on a CPU-only machine. With a GPU, ``FUNCTE_TEST_CUDA=1`` moves the
+tests that take the ``device`` fixture to CUDA (instead of the CPU; run the suite
+twice for both), and the CUDA-only tests run whenever a GPU is present.
 
 Hypothesis draws the same examples on every run (profile ``deterministic``), so
 a test run, CI's included, passes or fails the same way each time. To search

@@ -1,4 +1,4 @@
-"""The README's code runs, and its first two lines are the set-up and test commands CI uses."""
+"""The README's and docs/' code runs, and the README's first two lines are the set-up and test commands CI uses."""
 
 import pathlib
 import re
@@ -20,3 +20,18 @@ def test_readme_python_blocks_run():
         exec(compile(block, str(README), "exec"), namespace)
         if "per_example" in namespace:
             assert namespace["per_example"]["w1"].shape == (16, 64, 32)
+
+
+DOCS = sorted((README.parent / "docs").glob("*.md"))
+
+
+def test_docs_python_blocks_run(capsys):
+    # Each file's ```python blocks run in order in one namespace (signature listings are ```text).
+    ran = 0
+    for doc in DOCS:
+        namespace: dict = {}
+        for block in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S):
+            exec(compile(block, str(doc), "exec"), namespace)
+            ran += 1
+    assert ran >= 5
+    assert "forward_linear_bias_add" in capsys.readouterr().out  # fusion.md's explain printed its plans

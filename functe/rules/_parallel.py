@@ -34,7 +34,17 @@ def _parallel_linears(m: Match):
 
 
 def forward_parallel_reason(m: Match) -> str | None:
-    """Why a forward fusion covering a tensor-parallel linear declines (``None``: it need not)."""
+    """Why a forward fusion covering a tensor-parallel linear declines (``None``: it need not).
+
+    Example (a plain linear fuses; ``docs/parallel.md`` shows the tensor-parallel declines):
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> from functe.rules import DEFAULT_RULES, rewrite
+        >>> args = torch.ones(4, 8), torch.ones(16, 8), torch.ones(4, 16)
+        >>> program = functe.trace(lambda x, w, r: ops.linear(x, w) + r)(*args)
+        >>> rewrite(program, DEFAULT_RULES, "forward")[1].fired  # its condition is forward_parallel_reason
+        {'forward_linear_bias_add': 1}
+    """
     for eqn, p in _parallel_linears(m):
         if p.mode == "row":
             return (
@@ -51,7 +61,16 @@ def forward_parallel_reason(m: Match) -> str | None:
 
 
 def backward_parallel_reason(m: Match) -> str | None:
-    """Why a backward fusion covering a tensor-parallel linear declines (``None``: it need not)."""
+    """Why a backward fusion covering a tensor-parallel linear declines (``None``: it need not).
+
+    Example (a plain linear fuses; ``docs/parallel.md`` shows the tensor-parallel declines):
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> from functe.rules import DEFAULT_RULES, rewrite
+        >>> program = functe.trace(lambda x, w: ops.linear(x, w) * 0.5)(torch.ones(4, 8), torch.ones(16, 8))
+        >>> rewrite(program, DEFAULT_RULES, "backward")[1].fired  # its condition is backward_parallel_reason
+        {'backward_linear_scale': 1}
+    """
     for eqn, p in _parallel_linears(m):
         if p.mode == "column":
             return (
@@ -73,6 +92,16 @@ def any_parallel_reason(m: Match) -> str | None:
     The fused FP8 ops (q-in casts, dact + dbias + cast) call the linear's quantized forward or
     backward directly, which neither reduces amaxes across ranks (TE's reduce_amax) nor
     communicates activations, so any tensor-parallel mode keeps the unfused ops.
+
+    Example (an FP8 linear without parallelism fuses with its activation's backward):
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> from functe.rules import DEFAULT_RULES, rewrite
+        >>> recipe = functe.CurrentScaling()
+        >>> fn = lambda x, w: ops.gelu(ops.fp8_linear(x, w, None, None, recipe=recipe))
+        >>> program = functe.trace(fn)(torch.ones(4, 16), torch.ones(16, 16))
+        >>> rewrite(program, DEFAULT_RULES, "backward", recipe=recipe)[1].fired
+        {'backward_fp8_linear_activation': 1}
     """
     for eqn, p in _parallel_linears(m):
         return (
@@ -83,7 +112,13 @@ def any_parallel_reason(m: Match) -> str | None:
 
 
 def first_reason(*conditions: Callable[[Match], str | None]) -> Callable[[Match], str | None]:
-    """A condition declining with the first reason any of ``conditions`` gives."""
+    """A condition declining with the first reason any of ``conditions`` gives.
+
+    Example:
+        >>> condition = first_reason(lambda m: None, lambda m: "second says no", lambda m: "third")
+        >>> condition(None)
+        'second says no'
+    """
 
     def condition(m: Match) -> str | None:
         for c in conditions:

@@ -65,6 +65,13 @@ class Pattern:
             the consumer (``None``: any; ``m.edge(name)`` tells which).
         commutative: also try the first two inputs swapped.
         shared: for a nested pattern, the feeding output may have other consumers.
+
+    Example:
+        >>> from functe.ops import _core
+        >>> from functe.rules import Pattern
+        >>> p = Pattern(_core._add_extra_input, Pattern(_core._linear, "x", "w", "b", name="lin"), "r")
+        >>> p.inputs[1], p.inputs[0].name  # (Rule's example uses it)
+        ('r', 'lin')
     """
 
     __slots__ = ("commutative", "inputs", "name", "op", "out", "shared", "variadic")
@@ -103,6 +110,19 @@ class Match:
     outputs feeds its consumer. ``covered`` lists the matched equations in
     program order and ``outputs`` their outputs used outside the match (the
     fused equation must define all of them). ``recipe`` is the executor's recipe.
+
+    Example:
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> from functe.ops import _core
+        >>> from functe.rules import Pattern, Rule, RuleSet, rewrite
+        >>> seen = []
+        >>> spy = Rule("spy", "forward", Pattern(_core._linear, "x", "w", None, name="lin"), None,
+        ...            condition=lambda m: seen.append((m["w"].aval, m.eqn("lin").name)) or "only looking")
+        >>> program = functe.trace(lambda x, w: ops.linear(x, w))(torch.ones(2, 3), torch.ones(5, 3))
+        >>> _ = rewrite(program, RuleSet([spy]), "forward")
+        >>> seen
+        [('f32[5,3]', 'linear')]
     """
 
     def __init__(self, rule: Rule, captures, eqns, edges, covered, outputs, recipe):
@@ -160,6 +180,26 @@ class Rule:
         rewrite: ``rewrite(m: Match) -> Eqn``.
         condition: ``condition(m: Match) -> str | None``: a reason to decline, or ``None``.
         doc: one line saying what the rule does (``lhs -> rhs``).
+
+    Example:
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> from functe.ops import _core, _fused
+        >>> from functe.rules import Pattern, Rule, RuleSet, rewrite
+        >>> rule = Rule(
+        ...     "my_linear_add", "forward",
+        ...     Pattern(_core._add_extra_input, Pattern(_core._linear, "x", "w", "b"), "r", commutative=True),
+        ...     lambda m: m.fuse(
+        ...         _fused.forward_linear_add, [m["x"], m["w"], m["b"], m["r"]], scale=None, bias_op=False),
+        ...     condition=lambda m: "fp32 weight" if m["w"].dtype == torch.float32 else None)
+        >>> block = lambda x, w, r: ops.linear(x, w) + r
+        >>> args = lambda dtype: [torch.ones(shape, dtype=dtype) for shape in ((4, 8), (16, 8), (4, 16))]
+        >>> _, stats = rewrite(functe.trace(block)(*args(torch.float32)), RuleSet([rule]), "forward")
+        >>> stats.fired, [(name, reason) for name, _, reason in stats.declined]
+        ({}, [('my_linear_add', 'fp32 weight')])
+        >>> _, stats = rewrite(functe.trace(block)(*args(torch.bfloat16)), RuleSet([rule]), "forward")
+        >>> stats.fired
+        {'my_linear_add': 1}
     """
 
     name: str
@@ -235,7 +275,17 @@ class RuleSet:
 
 @dataclass
 class RewriteStats:
-    """What one :func:`rewrite` did: matches per rule and declined matches with reasons."""
+    """What one :func:`rewrite` did: matches per rule and declined matches with reasons.
+
+    Example:
+        >>> import torch, functe
+        >>> from functe import ops
+        >>> from functe.rules import DEFAULT_RULES, rewrite
+        >>> program = functe.trace(lambda x, w: ops.gelu(ops.linear(x, w)))(torch.ones(4, 8), torch.ones(16, 8))
+        >>> _, stats = rewrite(program, DEFAULT_RULES, "forward")
+        >>> stats.fired, stats.declined[0][0], stats.declined[0][2][:22]
+        ({}, 'forward_linear_bias_activation', 'weight dtype float32: ')
+    """
 
     fired: dict[str, int] = field(default_factory=dict)
     declined: list[tuple[str, str, str]] = field(default_factory=list)  # (rule, where, reason)
