@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fuse_helpers import F64, assert_matches_float64
-from helpers import check_transforms, make
+from helpers import check_transforms, make, saved_storages
 
 import functe
 from functe import ops
 from functe.ops import _core
 from functe.rules import DEFAULT_RULES, Pattern, Rule, RuleSet, check
+from functe.testing import assert_close
 
 # ----------------------------------------------------------------------------- a user basic op: a learnable scale
 
@@ -184,3 +185,63 @@ def test_check_catches_a_wrong_backward_fusion():
 def test_check_reports_a_rule_that_does_not_fire():
     with pytest.raises(AssertionError, match=r"rule axpy did not fire$"):
         check(AXPY, (torch.empty(3),), fn=lambda x: x * 2.0)
+
+
+# ----------------------------------------------------------------------- a backward fusion that skips unwanted work
+
+
+def _lean_scaled_linear_bwd(res, dy, *, needs_input_grad, couple=False):
+    # Only the wanted gradients, from the residuals _lean_prune kept. ``couple`` is a planted bug:
+    # ds computed only when dx is wanted too.
+    want_x, want_s, want_w = needs_input_grad
+    (x, s), (y, w, _) = res
+    g = torch.matmul(dy, w) if want_x or want_s else None
+    dx = g * s if want_x else None
+    ds = (g * x).sum() if want_s and (want_x or not couple) else None
+    dw = torch.matmul(dy.reshape(-1, dy.shape[-1]).t(), y.reshape(-1, y.shape[-1])) if want_w else None
+    return dx, ds, dw
+
+
+def _lean_prune(res, *, needs_input_grad):
+    # ds reads x, dx reads s, both read w (through g); dw reads y, the scaled input
+    want_x, want_s, want_w = needs_input_grad
+    (x, s), (y, w, has_bias) = res
+    return (x if want_s else None, s if want_x else None), (
+        y if want_w else None,
+        w if want_x or want_s else None,
+        has_bias,
+    )
+
+
+def _lean_rule(name: str, couple: bool = False) -> Rule:
+    op = functe.custom_vjp(
+        name,
+        _scaled_linear_fwd,
+        lambda res, dy, needs_input_grad: _lean_scaled_linear_bwd(
+            res, dy, needs_input_grad=needs_input_grad, couple=couple
+        ),
+        needs_input_grad=True,
+        prune_residuals=_lean_prune,
+    )
+    return Rule(name, "backward", SCALED_LINEAR.pattern, lambda m: m.fuse(op, [m["x"], m["s"], m["w"]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+def test_a_user_fusion_that_skips_frozen_inputs_work_is_checked_per_frozen_input(dtype):
+    x, s, w = (torch.empty(shape, dtype=dtype) for shape in [(3, 4), (), (5, 4)])
+    lean = _lean_rule("lean_scaled_linear")
+    check(lean, {"x": x, "s": s, "w": w})  # every input trainable, then each frozen in turn
+    fused = functe.fuse(lambda x, s, w: ops.linear(scale_by(x, s), w), rules=DEFAULT_RULES + RuleSet([lean]))
+    args = make((3, 4), dtype), make((), dtype), make((5, 4), dtype).requires_grad_()
+    y, saved = saved_storages(lambda: fused(*args))
+    assert fused.plan(*args).stats["backward"].fired == {"lean_scaled_linear": 1}
+    assert sorted(saved.values()) == [(3, 4)]  # w alone trains: only the scaled input y, which dw reads
+    unfused = ops.linear(scale_by(*args[:2]), args[2])
+    assert_close(torch.autograd.grad(y.sum(), args[2])[0], torch.autograd.grad(unfused.sum(), args[2])[0])
+
+
+def test_check_catches_a_fusion_wrong_only_when_an_input_is_frozen():
+    with pytest.raises(AssertionError, match=r"gradient of \['s'\] \(fused with \['x'\] frozen"):
+        check(
+            _lean_rule("coupled", couple=True), {"x": torch.empty(3, 4), "s": torch.empty(()), "w": torch.empty(5, 4)}
+        )

@@ -72,7 +72,9 @@ def check(
     Asserts: the rule fires (else the declined reasons are reported); the
     fused outputs and the gradients of every floating-point input, computed
     in the inputs' dtype, match the unfused program evaluated in float64 on
-    the same (rounded) inputs within :mod:`functe.testing`'s tolerance (for
+    the same (rounded) inputs within :mod:`functe.testing`'s tolerance, also
+    with each input frozen in turn (the fused op's ``needs_input_grad`` and
+    ``prune_residuals`` paths: the other gradients must not change) (for
     float32 the float16 entry, TransformerEngine's convention for GEMM
     results; ``atol`` scaled to each tensor's largest value, since normal
     inputs make gradients sums of terms that can cancel); and, where the rule also fires in float64, fused and unfused
@@ -107,6 +109,11 @@ def check(
     cts64 = [c.to(torch.float64) for c in got[2]]  # the reference reuses the rounded cotangents
     expected = _outputs_and_grads(unfused, call, wide, gen, cts=cts64)
     _compare(got, expected, rule.name, "fused vs unfused float64")
+    # Each input frozen in turn: the fused op's needs_input_grad and prune_residuals paths (a
+    # rule whose backward reads a residual its pruning dropped, or returns a wrong partial set)
+    for path in got[1] if len(got[1]) > 1 else ():
+        partial = _outputs_and_grads(fused, call, args, gen, cts=got[2], frozen=path)
+        _compare(partial, expected, rule.name, f"fused with {path} frozen vs unfused float64")
     fused64 = fuse(program, rules=RuleSet([rule]), recipe=recipe)
     plan64 = fused64.plan(*wide) if fn is not None else fused64.plan(**wide)
     if plan64.stats[rule.phase].fired.get(rule.name):
@@ -131,18 +138,26 @@ def _redraw(tree: Any, gen: torch.Generator) -> Any:
     return _map(tree, draw)
 
 
-def _outputs_and_grads(fused, call, args, gen, cts=None):
+def _outputs_and_grads(fused, call, args, gen, cts=None, frozen: str | None = None):
     """Outputs, gradients (argument path -> gradient) for output cotangents ``cts`` (drawn in the
-    outputs' dtypes if None), and ``cts``."""
-    args = _map(args, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
+    outputs' dtypes if None), and ``cts``; the input at path ``frozen`` requires no gradient."""
+    leaves, spec = tree_flatten(args)
+    paths = leaf_paths(args)
+    leaves = [
+        t.detach().requires_grad_(p != frozen) if isinstance(t, Tensor) and t.is_floating_point() else t
+        for p, t in zip(paths, leaves)
+    ]
+    args = tree_unflatten(spec, leaves)
     outs = [o for o in tree_flatten(call(fused, args))[0] if isinstance(o, Tensor)]
     if cts is None:
         cts = [_redraw(o.detach(), gen) for o in outs]
-    leaves = tree_flatten(args)[0]
-    paths = [p for p, t in zip(leaf_paths(args), leaves) if isinstance(t, Tensor) and t.requires_grad]
+    wanted = [p for p, t in zip(paths, leaves) if isinstance(t, Tensor) and t.requires_grad]
     inputs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
-    grads = torch.autograd.grad(outs, inputs, cts, allow_unused=True)
-    return outs, dict(zip(paths, grads)), cts
+    reached = [(o, c) for o, c in zip(outs, cts) if o.requires_grad]  # (a frozen input's branch is constant)
+    if not reached:
+        return outs, {p: None for p in wanted}, cts
+    grads = torch.autograd.grad([o for o, _ in reached], inputs, [c for _, c in reached], allow_unused=True)
+    return outs, dict(zip(wanted, grads)), cts
 
 
 def _tolerance(t: Tensor) -> torch.dtype:
