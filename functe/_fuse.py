@@ -792,14 +792,25 @@ class Fused:
                 f"functe.fuse({self.__name__}): non-tensor arguments are static and must be hashable, got {static}"
             ) from None
         if index is None:
+            index = self._new_plan(key, leaves, args, kwargs)
+        return index, tensors
+
+    def _new_plan(self, key: tuple, leaves: list, args, kwargs) -> int:
+        """Trace and plan a new signature; the index of its plan."""
+        # One thread at a time (tracing is global state); the index is published only with its plan,
+        # and a thread that waited finds the plan another one made for the same signature.
+        with _trace.TRACE_LOCK:
+            index = self._index.get(key)
+            if index is not None:
+                return index
             program = trace_call(self.__wrapped__, args, kwargs)
             self.trace_count += 1
-            index = self._index[key] = len(self._plans)
             self._plans.append(Plan(program, self.rules, self.recipe, self.__name__))
+            index = self._index[key] = len(self._plans) - 1
             if self.trace_count == RETRACE_WARNING:
                 self._warn_retracing(key, leaves)
             self._last_key = key
-        return index, tensors
+            return index
 
     def _warn_retracing(self, key: tuple, leaves: list) -> None:
         """Warn once that plans pile up, naming the static leaves that changed since the last trace."""
@@ -815,7 +826,7 @@ class Fused:
             f"{what}non-tensor arguments are static, so a value that changes every call (a step count, a "
             "seed) retraces every call: pass it as a tensor (a seed as an i64[] tensor)",
             RetraceWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def plan(self, *args, **kwargs) -> Plan:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -55,22 +56,32 @@ class _Trace:
 
 _active: _Trace | None = None
 
+# Tracing state is module-global (the eager path pays one global lookup, not a thread-local one), so
+# one thread traces at a time: a second thread's trace, or its meta shape inference, would otherwise
+# swap the recorder under the first (traces failed, or recorded into each other). Reentrant: a
+# trace runs shape inference inside itself. Eager calls in other threads never wait for it.
+TRACE_LOCK = threading.RLock()
+
+
+_owner: int | None = None  # the thread recording _active
+
 
 def tracing() -> bool:
-    """Whether a trace is being recorded right now."""
-    return _active is not None
+    """Whether this thread is recording a trace right now."""
+    return _active is not None and _owner == threading.get_ident()
 
 
 @contextlib.contextmanager
 def _recording(trace: _Trace | None):
-    global _active
-    previous = _active, _vjp._recorder
-    _active = trace
-    _vjp._recorder = None if trace is None else _record
-    try:
-        yield
-    finally:
-        _active, _vjp._recorder = previous
+    global _active, _owner
+    with TRACE_LOCK:
+        previous = _active, _owner, _vjp._recorder
+        _active, _owner = trace, threading.get_ident()
+        _vjp._recorder = None if trace is None else _record
+        try:
+            yield
+        finally:
+            _active, _owner, _vjp._recorder = previous
 
 
 class Tracer(Tensor):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 import weakref
 
@@ -787,3 +788,30 @@ def test_an_opaque_function_using_a_trainable_captured_tensor_is_refused_when_fu
     (dw,) = torch.autograd.grad(fused(x, w2.detach()).sum(), w)
     (want,) = torch.autograd.grad(ops.linear(torch.tanh(x @ w), w2.detach()).sum(), w)
     assert_close(dw, want)
+
+
+def test_threads_tracing_one_fused_function_at_once_get_their_own_plans():
+    # Tracing state is global: concurrent first calls recorded into each other's traces (TraceErrors)
+    # and published a plan index before its plan, so one signature could run another's plan (a wrong
+    # static scale, silently).
+    x, w = make((4, 8)), make((8, 8))
+    for _ in range(8):
+        fused = functe.fuse(lambda x, w, s: ops.linear(x, w) * s)
+        barrier, results = threading.Barrier(4), {}
+
+        def run(s, fused=fused, barrier=barrier, results=results):
+            barrier.wait()
+            try:
+                results[s] = fused(x, w, s)
+            except Exception as error:  # (reported below, with the scale it failed for)
+                results[s] = error
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in (1.0, 2.0, 3.0, 4.0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s, got in results.items():
+            assert isinstance(got, torch.Tensor), f"scale {s}: {got!r}"
+            assert_close(got, ops.linear(x, w) * s)
+        assert fused.trace_count == 4  # (a call while another thread traced ran unfused, inline)
