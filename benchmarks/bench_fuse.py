@@ -177,7 +177,33 @@ def frozen(reps: int) -> str:
     steps = {k: (lambda f=f: torch.autograd.grad(f(x, p), x, cot)) for k, f in impls.items()}
     wall, _ = interleaved(steps, reps=reps)
     title = f"MLP block fwd+bwd, frozen weights (2048 tokens, 1024 hidden, 4096 ffn, fp32), best of {reps}, wall"
-    return table(title, [("input gradient only", wall)], baseline="eager")
+    timing = table(title, [("input gradient only", wall)], baseline="eager")
+    # What each keeps for its backward, beyond the parameters (which the caller holds anyway).
+    params = {t.untyped_storage().data_ptr() for t in p.values()}
+    saved = {k: _saved_mib(lambda f=f: f(x, p), params) for k, f in impls.items() if k != "compile"}
+    lines = ["### Saved for the backward, frozen weights (MiB, parameters excluded; compile: not visible to hooks)", ""]
+    lines += [
+        "| " + " | ".join(saved) + " |",
+        "|" + "---|" * len(saved),
+        "| " + " | ".join(f"{v:.0f}" for v in saved.values()) + " |",
+    ]
+    return timing + "\n\n" + "\n".join(lines)
+
+
+def _saved_mib(run, exclude: set) -> float:
+    """MiB of the distinct storages autograd saves while ``run()`` records, those whose pointer is in
+    ``exclude`` left out."""
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values()) / 2**20
 
 
 def main():
