@@ -285,11 +285,10 @@ def _pruned_residuals(em: _Emitter, live: _Liveness, res_names: dict) -> None:
     weight's linear keeps no input; see custom_vjp)."""
     for e in live.live:
         prune = getattr(e.op, "prune_residuals", None)
-        if prune is None:
+        # (an absent bias or an int seed is unflagged too, but there is nothing to prune for it)
+        if prune is None or all(a in live.needs for a in e.inputs if _is_float_var(a)):
             continue
         flags = _step_needs(e, live)
-        if all(flags):
-            continue
         if e.phase == "backward":  # (a fused step reads the tuple of its covered ops' residuals)
             names = "".join(f"{res_names[o]}, " for o in _owners(e))
             em.emit(f"{names}= {em.glob(prune, 'p')}(({names}){em.params(e)}, needs_input_grad={flags!r})")
@@ -485,7 +484,7 @@ class Plan:
         ({'forward_linear_bias_add': 1}, True)
     """
 
-    def __init__(self, program: OpList, rules, recipe, name: str):
+    def __init__(self, program: OpList, rules, recipe, name: str, sources: list[Tensor] = ()):
         from .rules import rewrite  # functe.rules imports the ops; imported late to keep import order simple
 
         self.traced = program
@@ -508,25 +507,36 @@ class Plan:
         self._opaque_checks = list(
             {id(c): c for e in program.eqns if (c := getattr(e.op, "opaque_check", None))}.values()
         )
-        self.checks_captured = bool(self._captured or self._opaque_checks)
+        # Captured tensors whose values the trace folded into constants, with their version
+        # counters: an in-place update makes the plan stale (retraced), see _trace._CapturedWatch.
+        self.sources = [(t, t._version) for t in sources]
+        self.checks_captured = bool(self._captured or self._opaque_checks or self.sources)
         full = self.variant(None)
         self.liveness, self.source, self.infer, self.op = full.liveness, full.source, full.infer, full.op
         self.eager, self.with_constants, self.run_op = full.eager, full.with_constants, full.run_op
 
-    def check_captured(self) -> None:
-        """Before the program runs as one autograd node: raise if a tensor it captured as a constant
-        (or one an opaque function reaches by name) requires grad now. The trace refused such
-        tensors, but ``requires_grad_()`` after it would make the cached plan drop their gradients
-        silently (inside the node nothing records them; unfused, autograd would)."""
-        for t in self._captured:
+    def check_captured(self, node: bool) -> None:
+        """Before the program runs with grad mode on: raise if a tensor it captured as a constant
+        requires grad now, and, when it runs as one autograd node (``node``), if one an opaque
+        function reaches by name does. The trace refused such tensors, but ``requires_grad_()``
+        after it would make the cached plan drop their gradients silently (inside the node nothing
+        records them; the forward rules of ``infer`` need not be differentiable: a quantizing kernel
+        is not). Unfused, autograd would record them. (An opaque function runs as plain torch in
+        ``infer``, so autograd reaches what it captured.)"""
+        for t in (*self._captured, *(t for t, _ in self.sources)):
             if t.requires_grad:
                 raise TraceError(
                     f"functe.fuse({self.name}): a tensor {describe(t)} captured from the enclosing scope as a constant "
                     "requires gradients now; pass it to the fused function as an argument, otherwise its gradient "
                     "would be silently lost"
                 )
-        for check in self._opaque_checks:
-            check()
+        if node:
+            for check in self._opaque_checks:
+                check()
+
+    def stale(self) -> bool:
+        """Whether a captured tensor the trace folded into a constant changed in place since."""
+        return any(t._version != version for t, version in self.sources)
 
     def variant(self, needs_grad: tuple[bool, ...] | None) -> _Variant:
         """The generated functions when only the inputs flagged in ``needs_grad`` (one flag per
@@ -744,8 +754,10 @@ class Fused:
             tensors = [walked[i] for i in order]
             if plan.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
                 if plan.checks_captured:
-                    plan.check_captured()
+                    plan.check_captured(node=True)
                 return plan.run_op(*tensors)  # Dynamo traces the custom_vjp op
+            if plan.checks_captured and torch.is_grad_enabled():
+                plan.check_captured(node=False)
             return plan.infer(*tensors)
         index, tensors = self._lookup(args, kwargs)
         plan = self._plans[index]
@@ -761,8 +773,10 @@ class Fused:
                 variant = plan.variant(None if all(needs) else needs)
                 if variant.liveness.live:  # (else no output depends on a trainable input)
                     if plan.checks_captured:
-                        plan.check_captured()
+                        plan.check_captured(node=True)
                     return variant.run_op(*tensors) if functorch else variant.eager(*tensors)
+        if plan.checks_captured and torch.is_grad_enabled():
+            plan.check_captured(node=False)
         return plan.infer(*tensors)
 
     def _plan_and_tensors(self, args, kwargs) -> tuple[Plan, list[Tensor]]:
@@ -793,19 +807,26 @@ class Fused:
             ) from None
         if index is None:
             index = self._new_plan(key, leaves, args, kwargs)
+        elif self._plans[index].sources and self._plans[index].stale():
+            index = self._new_plan(key, leaves, args, kwargs, stale=index)
         return index, tensors
 
-    def _new_plan(self, key: tuple, leaves: list, args, kwargs) -> int:
-        """Trace and plan a new signature; the index of its plan."""
+    def _new_plan(self, key: tuple, leaves: list, args, kwargs, stale: int | None = None) -> int:
+        """Trace and plan a new signature (or one whose plan is ``stale``); the index of its plan."""
         # One thread at a time (tracing is global state); the index is published only with its plan,
         # and a thread that waited finds the plan another one made for the same signature.
         with _trace.TRACE_LOCK:
             index = self._index.get(key)
-            if index is not None:
+            if index is not None and (stale is None or not self._plans[index].stale()):
                 return index
-            program = trace_call(self.__wrapped__, args, kwargs)
+            sources: dict[int, Tensor] = {}
+            program = trace_call(self.__wrapped__, args, kwargs, sources)
             self.trace_count += 1
-            self._plans.append(Plan(program, self.rules, self.recipe, self.__name__))
+            plan = Plan(program, self.rules, self.recipe, self.__name__, list(sources.values()))
+            if stale is not None:  # (same signature: the plan is replaced in place)
+                self._plans[stale] = plan
+                return stale
+            self._plans.append(plan)
             index = self._index[key] = len(self._plans) - 1
             if self.trace_count == RETRACE_WARNING:
                 self._warn_retracing(key, leaves)
@@ -955,7 +976,10 @@ def explain(fn: Callable, *args, rules=None, recipe: Any = None, **kwargs) -> No
           in (c,) }
         residuals kept for the backward plan: linear, constant_scale
     """
-    fused = fn if isinstance(fn, Fused) else fuse(fn, rules=rules, recipe=recipe)
+    if not isinstance(fn, Fused):
+        fused = fuse(fn, rules=_check_rules("explain", rules), recipe=_check_fuse_recipe("explain", recipe))
+    else:
+        fused = fn
     print(fused.plan(*args, **kwargs).explain())
 
 

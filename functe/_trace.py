@@ -314,8 +314,9 @@ def trace(fn: Callable) -> Callable[..., OpList]:
     return traced
 
 
-def trace_call(fn: Callable, args: tuple, kwargs: dict) -> OpList:
-    """Trace ``fn(*args, **kwargs)`` (see :func:`trace`)."""
+def trace_call(fn: Callable, args: tuple, kwargs: dict, sources: dict[int, Tensor] | None = None) -> OpList:
+    """Trace ``fn(*args, **kwargs)`` (see :func:`trace`); ``sources`` collects the captured tensors
+    whose values computations folded into constants read (see :class:`_CapturedWatch`)."""
     leaves, in_tree = tree_flatten((args, kwargs))
     t = _Trace()
     inputs: list[Var] = []
@@ -331,11 +332,63 @@ def trace_call(fn: Callable, args: tuple, kwargs: dict) -> OpList:
             traced_leaves.append(leaf)
     targs, tkwargs = tree_unflatten(in_tree, traced_leaves)
     # Under grad mode, so that ops take their differentiable path (no donation).
-    with _recording(t), torch.enable_grad():
+    with _recording(t), torch.enable_grad(), _CapturedWatch({} if sources is None else sources):
         out = fn(*targs, **tkwargs)
     out_leaves, out_tree = tree_flatten(out)
     outputs = [_output_atom(leaf, t) for leaf in out_leaves]
     return OpList(inputs, t.eqns, outputs, in_tree=in_tree, out_tree=out_tree, static=static)
+
+
+class _CapturedWatch(torch.overrides.TorchFunctionMode):
+    """While a trace runs: note the captured tensors whose values a folded computation reads.
+
+    A computation on tensors captured from the enclosing scope (``w.t().contiguous()``,
+    ``w.to(torch.bfloat16)``, ``2 * w``) runs once, at trace time, and its result becomes a
+    constant of the op list. :func:`functe.fuse` keeps the captured tensors it read (``sources``,
+    with their version counters) and retraces when one changed in place (an optimizer step), and
+    refuses one that starts requiring grad, instead of computing with a stale constant. Views
+    (``w.t()``) share the captured storage; results that depend on metadata only
+    (``torch.zeros_like(w)``) and tensors made from nothing captured (``torch.ones(3)``) read no
+    captured value.
+    """
+
+    def __init__(self, sources: dict[int, Tensor]):
+        super().__init__()
+        self.sources = sources  # id -> captured tensor a folded computation read
+        self.made: dict[int, Tensor] = {}  # id -> tensor made during the trace (kept: ids stay unique)
+        self.captured_storages: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _active is None or func in _METADATA or func in _VALUE_FREE:  # (shape inference, metadata)
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if any(isinstance(t, (Tracer, _ShapeOnly)) for t in tensors):
+            return out
+        read = []  # the captured tensors (a view stands for its base) among the arguments
+        for t in tensors:
+            if t.device.type == "meta":
+                continue
+            if id(t) not in self.made:
+                self.captured_storages.add(_storage(t))
+                read.append(t)
+            elif _storage(t) in self.captured_storages:
+                read.append(t._base if t._base is not None else t)
+        results = [r for r in tree_flatten(out)[0] if isinstance(r, Tensor)]
+        # (a view of a captured tensor, w.t(), reads no value: it stays live through the storage)
+        if read and not all(r.device.type != "meta" and _storage(r) in self.captured_storages for r in results):
+            self.sources.update((id(t), t) for t in read)
+        for r in results:
+            self.made[id(r)] = r
+        return out
+
+
+def _storage(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage: treated as its own)
+        return -id(t)
 
 
 def _output_atom(leaf: Any, t: _Trace):
@@ -418,22 +471,38 @@ class _RandomState:
     """The random number generators' states an opaque op's forward started from (CPU, and each CUDA
     device among its arguments), restored while its backward recomputes the forward, as
     ``torch.utils.checkpoint`` does: a random function (dropout) gets the gradient of the very draw
-    its forward made. Not a tensor, so a constant residual (the op keeps exact second order)."""
+    its forward made. Not a tensor, so a constant residual (the op keeps exact second order).
+
+    While a CUDA graph is being captured the CUDA generators' states cannot be read (torch refuses),
+    so they are neither saved nor restored there: a deterministic opaque function captures as before,
+    a random one replays only its CPU draws.
+    """
 
     __slots__ = ("cpu", "cuda")
 
     def __init__(self, args: tuple):
         self.cpu = torch.get_rng_state()
-        devices = {t.device for t in tree_flatten(args)[0] if isinstance(t, Tensor) and t.device.type == "cuda"}
-        self.cuda = {d.index: torch.cuda.get_rng_state(d) for d in devices}
+        self.cuda = {}
+        if not torch.cuda.is_initialized():  # (no CUDA tensor can exist: skip the walk)
+            return
+        devices = {t.device.index for t in tree_flatten(args)[0] if isinstance(t, Tensor) and t.device.type == "cuda"}
+        if devices and not torch.cuda.is_current_stream_capturing():
+            self.cuda = {index: torch.cuda.get_rng_state(index) for index in devices}
 
     @contextlib.contextmanager
     def restored(self):
-        with torch.random.fork_rng(devices=list(self.cuda), device_type="cuda"):
-            torch.set_rng_state(self.cpu)
-            for index, state in self.cuda.items():
-                torch.cuda.set_rng_state(state, index)
+        # (by hand, not torch.random.fork_rng: that costs ~25 us per backward in warnings and device logic)
+        cuda = self.cuda if self.cuda and not torch.cuda.is_current_stream_capturing() else {}
+        now_cpu, now_cuda = torch.get_rng_state(), {index: torch.cuda.get_rng_state(index) for index in cuda}
+        torch.set_rng_state(self.cpu)
+        for index, state in cuda.items():
+            torch.cuda.set_rng_state(state, index)
+        try:
             yield
+        finally:
+            torch.set_rng_state(now_cpu)
+            for index, state in now_cuda.items():
+                torch.cuda.set_rng_state(state, index)
 
 
 def _refuse_captured_grads(fn: Callable, label: str) -> None:
@@ -672,4 +741,19 @@ _METADATA = {
     T.__len__,
     T.__hash__,
     T.get_device,
+}
+
+# Results that depend on an argument's metadata only (a captured tensor may be their template).
+_VALUE_FREE = {
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+    T.new_zeros,
+    T.new_ones,
+    T.new_empty,
+    T.new_full,
 }

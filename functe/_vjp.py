@@ -498,8 +498,9 @@ def _make_function(
         sources = {_IN: leaves, _OUT: outs, _NEW: new}
         if prune is not None:
             flags = ctx.needs_input_grad[1:]
-            # (the common case, every tensor argument wanting a gradient, costs one pass)
-            if any(not f and isinstance(t, Tensor) for f, t in zip(flags, leaves)):
+            # (the common case, every float tensor wanting a gradient, costs one pass; an int seed
+            # never wants one)
+            if any(not f and isinstance(t, Tensor) and t.is_floating_point() for f, t in zip(flags, leaves)):
                 layout = _pruned(name, prune, layout, sources, call, argument_needs(flags, call.in_tree))
         # (the higher-order anchor, last of ``new``, is saved after the residuals and stays differentiable)
         ctx.save_for_backward(*(sources[kind][i] for kind, i in layout.plan if kind != _CONST), *new[-1:])

@@ -64,6 +64,25 @@ def backward_gemms(fn, args, wrt) -> int:
     return counter.gemms
 
 
+def assert_graph_replay_matches(loss, params) -> None:
+    """Capture ``torch.autograd.grad(loss(), params)`` in one CUDA graph, replay it and compare with
+    the eager gradients (a whole training step captures only without host synchronisation)."""
+    expected = torch.autograd.grad(loss(), params)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm up (Triton compilation and autotuning, allocator) off the capture stream
+            torch.autograd.grad(loss(), params)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = torch.autograd.grad(loss(), params)
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, e in zip(grads, expected):
+        assert_close(g, e)
+
+
 def as64(*tensors):
     """The float64 copies a reference computes on (from the already-rounded inputs)."""
     return tuple(None if t is None else t.detach().to("cpu", F64) for t in tensors)

@@ -44,12 +44,14 @@ _ARGUMENT_ERRORS = {
     "set_collective_checks non-bool": lambda: functe.set_collective_checks("no"),
     "fuse rules": lambda: functe.fuse(lambda x: x, rules="none"),
     "opaque of a non-function": lambda: functe.opaque(3),
+    "explain rules": lambda: functe.explain(lambda x: x, X, rules=[]),
+    "rules.check rule": lambda: check("not a rule", {}),
 }
 
 
 @pytest.mark.parametrize("case", list(_ARGUMENT_ERRORS))
 def test_argument_errors_are_functe_errors_and_builtin_ones(case):
-    with pytest.raises(functe.ArgumentError, match=r"^functe\.\w+: ") as info:
+    with pytest.raises(functe.ArgumentError, match=r"^functe\.[\w.]+: ") as info:
         _ARGUMENT_ERRORS[case]()
     assert isinstance(info.value, functe.FuncteError)
     assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)  # what callers caught before
@@ -328,6 +330,7 @@ _DS = functe.DelayedScaling(amax_history_len=4)
             r"functe\.quantize: .*meta",
         ),
         (lambda: functe.fuse(lambda x: x, recipe="fp8"), functe.RecipeError, r"fuse: argument 'recipe' expected"),
+        (lambda: functe.explain(lambda x: x, X, recipe="fp8"), functe.RecipeError, r"explain: argument 'recipe'"),
         (lambda: functe.check_oplist(3), functe.TraceError, r"check_oplist: argument 'oplist' expected an OpList"),
         (lambda: functe.custom_vjp("f", 1, 2), functe.RuleError, r"custom_vjp f: fwd must be a function, got int"),
     ],

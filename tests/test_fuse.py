@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 from fuse_helpers import F64, assert_matches_float64, draw, plan_of
-from helpers import backward_gemms, check_transforms, gradchecks, make, saved_storages
+from helpers import assert_graph_replay_matches, backward_gemms, check_transforms, gradchecks, make, saved_storages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -623,6 +623,16 @@ def test_fused_linear_ops_called_alone_prune_like_linear(call):
             assert torch.equal(g, e)
 
 
+def test_only_steps_with_a_frozen_float_input_prune():
+    # An absent bias is an unflagged argument too: every bias-free linear's step got a prune call that
+    # could drop nothing (a per-call cost of the cached plan).
+    fn = lambda x, w, x2, w2: ops.linear(x, w) + ops.linear(x2, w2)
+    args = [make((4, 8)), make((8, 8)), make((4, 8)), make((8, 8))]
+    plan = functe.fuse(fn).plan(*args)
+    source = plan.variant((True, True, True, False)).source
+    assert source.count("= _p") == 1 and "needs_input_grad=(True, False, False)" in source
+
+
 def test_frozen_base_weights_keep_no_linear_inputs():
     # LoRA-style: frozen fc1/fc2 weights under trainable norm parameters and input. fc1's input (the
     # norm's output) and fc2's (GELU's output) stayed saved for wgrads that never run.
@@ -742,22 +752,19 @@ def test_cuda_dispatch_and_graph_capture_of_a_training_step():
     dev = "cuda"
     fused = functe.fuse(_block)
     args = [a.float().to(dev).requires_grad_() for a in _block_args()]
-    loss = lambda: (fused(*args, scale=0.5) ** 2).sum()
-    expected = torch.autograd.grad(loss(), args)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm up (Triton compilation, allocator) off the capture stream
-            torch.autograd.grad(loss(), args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = torch.autograd.grad(loss(), args)
-    graph.replay()
-    torch.cuda.synchronize()
-    for g, e in zip(grads, expected):
-        assert_close(g, e)
+    assert_graph_replay_matches(lambda: (fused(*args, scale=0.5) ** 2).sum(), args)
     assert fused.trace_count == 1
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_a_step_with_an_opaque_op():
+    # An opaque op's forward saved the CUDA generator's state, which torch refuses to read while a
+    # graph is captured: every opaque op (tanh too) made a step uncapturable.
+    dev = "cuda"
+    tanh = functe.opaque(torch.tanh)
+    fused = functe.fuse(lambda x, w: ops.linear(tanh(x), w))
+    args = [make((8, 16)).to(dev).requires_grad_(), make((4, 16)).to(dev).requires_grad_()]
+    assert_graph_replay_matches(lambda: fused(*args).square().sum(), args)
 
 
 def test_a_captured_tensor_that_starts_requiring_grad_is_refused_by_the_cached_plan():
@@ -772,7 +779,47 @@ def test_a_captured_tensor_that_starts_requiring_grad_is_refused_by_the_cached_p
         functe.TraceError, match=r"captured from the enclosing scope as a constant requires gradients now"
     ):
         fused(x)
-    assert torch.equal(fused(x.detach()), ops.linear(x.detach(), base))  # no node: autograd records base
+    # nothing else trainable: infer runs the forward rules, which need not be differentiable (a
+    # quantizing kernel is not): refused as well
+    with pytest.raises(functe.TraceError, match=r"requires gradients now"):
+        fused(x.detach())
+    with torch.no_grad():
+        assert torch.equal(fused(x.detach()), ops.linear(x.detach(), base))
+
+
+@pytest.mark.parametrize(
+    "derive",
+    [lambda w: w.t().contiguous(), lambda w: w.to(torch.float64).float(), lambda w: 2.0 * w],
+    ids=["contiguous copy", "dtype round trip", "scaled"],
+)
+def test_constants_folded_from_a_captured_tensor_follow_it(derive):
+    # A computation on a captured tensor ran once at trace time and its result became a constant:
+    # after an in-place update of the tensor (an optimizer step) the cached plan kept computing with
+    # the old values, and it never saw the tensor start requiring grad.
+    w = make((8, 16))
+    fn = lambda x: ops.linear(x, derive(w).reshape(8, 16))
+    fused = functe.fuse(fn)
+    x = make((4, 16))
+    assert torch.equal(fused(x), fn(x))
+    with torch.no_grad():
+        w.mul_(-3.0)  # in place: its version counter moves
+    assert torch.equal(fused(x), fn(x)) and fused.trace_count == 2  # retraced on the new values
+    assert torch.equal(fused(x), fn(x)) and fused.trace_count == 2  # and cached again
+    w.requires_grad_()
+    with pytest.raises(functe.TraceError, match=r"requires gradients now"):
+        fused(x)
+
+
+def test_views_of_a_captured_tensor_stay_live_without_retracing():
+    w = make((16, 8))
+    fused = functe.fuse(lambda x: ops.linear(x, w.t()))  # a view: the plan reads w's storage
+    x = make((4, 16))
+    fused(x)
+    with torch.no_grad():
+        w.add_(1.0)
+    assert torch.equal(fused(x), ops.linear(x, w.t())) and fused.trace_count == 1
+    made = functe.fuse(lambda x: ops.add_extra_input(x, torch.zeros(x.shape) + torch.ones(x.shape)))
+    assert made.plan(make((2, 3))).sources == []  # constants made from nothing captured
 
 
 def test_an_opaque_function_using_a_trainable_captured_tensor_is_refused_when_fused():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fuse_helpers import F64, assert_matches_float64, check_forward_residuals, draw, outputs_and_grads, vjp_wrt
-from helpers import check_transforms, make
+from helpers import assert_graph_replay_matches, check_transforms, make
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -808,21 +808,7 @@ def test_cuda_graph_capture_of_a_fused_training_step(recipe):
     args = [None if a is None else functe.tree_map(lambda t: t.cuda(), a) for a in args]
     params = [a.requires_grad_() for a in args[:7]]
     fused = functe.fuse(lambda *a: block(*a, recipe=recipe))
-    loss = lambda: fused(*params, *args[7:]).float().square().sum()
-    expected = torch.autograd.grad(loss(), params)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm up (Triton compilation and autotuning, allocator) off the capture stream
-            torch.autograd.grad(loss(), params)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = torch.autograd.grad(loss(), params)
-    graph.replay()
-    torch.cuda.synchronize()
-    for g, e in zip(grads, expected):
-        assert_close(g, e)
+    assert_graph_replay_matches(lambda: fused(*params, *args[7:]).float().square().sum(), params)
     assert fused.trace_count == 1
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .._errors import ArgumentError
-from .._fuse import fuse
+from .._errors import ArgumentError, describe
+from .._fuse import _check_fuse_recipe, fuse
 from .._tree import leaf_paths, tree_flatten, tree_unflatten
 from ..testing import assert_close
 from ._pattern import Pattern, Rule, RuleSet
@@ -87,6 +87,9 @@ def check(
         >>> check(FORWARD_LINEAR_BIAS_ADD, {"x": torch.ones(4, 8), "w": torch.ones(6, 8),
         ...                                 "b": torch.ones(6), "r": torch.ones(4, 6)})
     """
+    if not isinstance(rule, Rule):
+        raise ArgumentError(f"functe.rules.check: argument 'rule' expected a functe.rules.Rule, got {describe(rule)}")
+    _check_fuse_recipe("rules.check", recipe)
     if fn is None:
         if not isinstance(example_args, dict):
             raise ArgumentError(
