@@ -722,7 +722,9 @@ class Fused:
     """``fn`` with fused execution; returned by :func:`fuse`.
 
     Attributes:
-        trace_count: how many times ``fn`` was traced (once per new signature).
+        trace_count: how many times ``fn`` was traced (once per new signature, and again when a
+            captured tensor a folded constant read changed in place).
+        stale_retraces: how many of those traces replaced a stale plan.
 
     Example:
         >>> import torch, functe
@@ -740,6 +742,7 @@ class Fused:
         self._index: dict[Any, int] = {}
         self._plans: list[Plan] = []
         self._last_key: tuple | None = None
+        self.stale_retraces = 0  # of trace_count: retraces of a plan whose folded constants went stale
 
     def __call__(self, *args, **kwargs):
         if _trace.tracing():
@@ -825,13 +828,27 @@ class Fused:
             plan = Plan(program, self.rules, self.recipe, self.__name__, list(sources.values()))
             if stale is not None:  # (same signature: the plan is replaced in place)
                 self._plans[stale] = plan
+                self.stale_retraces += 1
+                if self.stale_retraces == RETRACE_WARNING:
+                    self._warn_stale(sources)
                 return stale
             self._plans.append(plan)
             index = self._index[key] = len(self._plans) - 1
-            if self.trace_count == RETRACE_WARNING:
+            if len(self._plans) == RETRACE_WARNING:  # (signatures: stale retraces warn on their own)
                 self._warn_retracing(key, leaves)
             self._last_key = key
             return index
+
+    def _warn_stale(self, sources: dict) -> None:
+        """Warn once that in-place updates of captured tensors keep invalidating folded constants."""
+        read = ", ".join(describe(t) for t in list(sources.values())[:3])
+        warnings.warn(
+            f"functe.fuse({self.__name__}) has retraced {self.stale_retraces} times because captured tensors that "
+            f"its folded constants read ({read}) changed in place; pass tensors that change (weights an optimizer "
+            "updates) as arguments",
+            RetraceWarning,
+            stacklevel=5,
+        )
 
     def _warn_retracing(self, key: tuple, leaves: list) -> None:
         """Warn once that plans pile up, naming the static leaves that changed since the last trace."""

@@ -348,8 +348,9 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
     with their version counters) and retraces when one changed in place (an optimizer step), and
     refuses one that starts requiring grad, instead of computing with a stale constant. Views
     (``w.t()``) share the captured storage; results that depend on metadata only
-    (``torch.zeros_like(w)``) and tensors made from nothing captured (``torch.ones(3)``) read no
-    captured value.
+    (``torch.zeros_like(w)``, ``x.to(w)``) and tensors made from nothing captured
+    (``torch.ones(3)``) read no captured value. Not seen: updates that bypass the version counter
+    (``w.data.mul_()``, ``torch.optim`` with ``fused=True``) and inference tensors, which have none.
     """
 
     def __init__(self, sources: dict[int, Tensor]):
@@ -363,25 +364,41 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
         out = func(*args, **kwargs)
         if _active is None or func in _METADATA or func in _VALUE_FREE:  # (shape inference, metadata)
             return out
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        # (x.to(other) and x.type_as(other) read other's dtype and device only)
+        tensors = [t for t in tree_flatten((args[:1], {}) if func in _TEMPLATE_ONLY else (args, kwargs))[0]]
+        tensors = [_unwrapped(t) for t in tensors if isinstance(t, Tensor)]
         if any(isinstance(t, (Tracer, _ShapeOnly)) for t in tensors):
             return out
-        read = []  # the captured tensors (a view stands for its base) among the arguments
+        read = {}  # storage -> the captured tensors among the arguments (a view stands for its base)
         for t in tensors:
-            if t.device.type == "meta":
+            if t.device.type == "meta" or t.is_inference():  # (an inference tensor has no version counter)
                 continue
             if id(t) not in self.made:
                 self.captured_storages.add(_storage(t))
-                read.append(t)
+                read.setdefault(_storage(t), []).append(t)
             elif _storage(t) in self.captured_storages:
-                read.append(t._base if t._base is not None else t)
-        results = [r for r in tree_flatten(out)[0] if isinstance(r, Tensor)]
-        # (a view of a captured tensor, w.t(), reads no value: it stays live through the storage)
-        if read and not all(r.device.type != "meta" and _storage(r) in self.captured_storages for r in results):
-            self.sources.update((id(t), t) for t in read)
-        for r in results:
-            self.made[id(r)] = r
+                read.setdefault(_storage(t), []).append(t._base if t._base is not None else t)
+        # A result that is a view of a captured tensor (w.t(), table[i]) reads none of that tensor's
+        # values: it stays live through the storage. Every other captured argument was read (the
+        # index i), and so is everything when the result is not a tensor (x.item(), c[:] = w).
+        for r in tree_flatten(out)[0]:
+            if isinstance(r, Tensor):
+                r = _unwrapped(r)
+                if r.device.type != "meta":
+                    read.pop(_storage(r), None)
+                self.made[id(r)] = r
+        for ts in read.values():
+            self.sources.update((id(t), t) for t in ts)
         return out
+
+
+def _unwrapped(t: Tensor) -> Tensor:
+    """The tensor under torch.func's wrappers (a vmap or grad inside the traced function wraps a
+    captured tensor outside torch-function dispatch)."""
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(t):
+        t = f.get_unwrapped(t)
+    return t
 
 
 def _storage(t: Tensor) -> int:
@@ -744,6 +761,7 @@ _METADATA = {
 }
 
 # Results that depend on an argument's metadata only (a captured tensor may be their template).
+_TEMPLATE_ONLY = {T.to, T.type_as}  # (their other tensor argument is a dtype/device template)
 _VALUE_FREE = {
     torch.zeros_like,
     torch.ones_like,

@@ -810,6 +810,54 @@ def test_constants_folded_from_a_captured_tensor_follow_it(derive):
         fused(x)
 
 
+_W, _POS = make((8, 16)), torch.tensor(1)
+
+
+@pytest.mark.parametrize(
+    ("fn", "update"),
+    [
+        # a read whose result is a number (the only read of _W)
+        (lambda x: ops.constant_scale(x, _W[0, 0].item()), lambda: _W.mul_(-2.0)),
+        # an index tensor selecting a view: _W's storage stays live, _POS was read
+        (lambda x: ops.add_extra_input(x, _W[_POS].expand(4, 16)), lambda: _POS.add_(1)),
+        # a torch.func transform over a captured tensor (its wrapper was taken for the source)
+        (lambda x: ops.add_extra_input(x, torch.vmap(lambda r: r * 2.0)(_W)[:4]), lambda: _W.mul_(-2.0)),
+    ],
+    ids=["item", "index view", "vmap"],
+)
+def test_every_kind_of_folded_read_is_followed(fn, update):
+    fused, x = functe.fuse(fn), make((4, 16))
+    assert torch.equal(fused(x), fn(x))
+    with torch.no_grad():
+        update()
+    assert torch.equal(fused(x), fn(x)) and fused.trace_count == 2
+
+
+def test_templates_and_inference_tensors_are_no_sources():
+    # x.to(p) reads p's dtype and device only (a trainable p raised on every call); an inference
+    # tensor has no version counter (reading it raised)
+    p = make((3,)).requires_grad_()
+    with torch.inference_mode():
+        frozen = make((16, 8))
+    fn = lambda x: ops.linear(x, frozen.t().contiguous()) + torch.ones(4, 8).to(p) + torch.ones(4, 8).type_as(p)
+    fused, x = functe.fuse(fn), make((4, 16)).requires_grad_()
+    assert fused.plan(x).sources == [] and torch.equal(fused(x), fn(x))
+
+
+def test_a_plan_retraced_on_every_call_warns():
+    w = make((8, 16))
+    fused, x = functe.fuse(lambda x: ops.linear(x, 2.0 * w)), make((4, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(_fuse.RETRACE_WARNING + 1):
+            fused(x)
+            with torch.no_grad():
+                w.add_(1.0)
+    stale = [w for w in caught if issubclass(w.category, functe.RetraceWarning)]
+    assert fused.stale_retraces == _fuse.RETRACE_WARNING and len(stale) == 1
+    assert "changed in place" in str(stale[0].message) and "f32[8,16]" in str(stale[0].message)
+
+
 def test_views_of_a_captured_tensor_stay_live_without_retracing():
     w = make((16, 8))
     fused = functe.fuse(lambda x: ops.linear(x, w.t()))  # a view: the plan reads w's storage
