@@ -298,3 +298,15 @@ def test_jvp_under_no_grad_still_uses_the_function():
     with torch.no_grad():
         _, tangent = jvp(lambda x: op(x, y)[1], (x,), (t,))
     assert torch.equal(tangent, y)
+
+
+def test_argument_needs_groups_leaf_flags_by_argument():
+    from functe._tree import tree_flatten
+    from functe._vjp import argument_needs
+
+    spec = lambda args: tree_flatten(args)[1]
+    assert argument_needs((True, False, False), spec((1, 2, None))) == (True, False, False)
+    # (an argument without leaves next to one with two: as many leaves as arguments, not one each)
+    assert argument_needs((False, True), spec(((), (1, 2)))) == (False, True)
+    assert argument_needs((False, True, False), spec(((1, 2), 3))) == (True, False)
+    assert argument_needs((False, True, False), spec(((1, 2), 3))) == (True, False)  # cached
