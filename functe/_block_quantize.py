@@ -36,8 +36,11 @@ Tensor = torch.Tensor
 
 BlockRecipe = Float8BlockScaling | NVFP4BlockScaling
 
-# Streams of one linear's seed: each random draw gets its own key (seed ^ stream).
-RHT_STREAM, SR_DGRAD_STREAM, SR_WGRAD_STREAM = 0x5248_5400, 0x5352_0001, 0x5352_0002
+# Streams of one linear's seed: each random draw gets its own key (seed ^ stream). Two seeds share a
+# stream only if they differ by the XOR of two of these (or one of them): 63-bit constants whose
+# pairwise XORs are far from any seed difference a step counter or a layer index makes (they were
+# 0x52485400, 0x53520001 and 0x53520002: seeds 3 and 0 swapped their dgrad and wgrad bits).
+RHT_STREAM, SR_DGRAD_STREAM, SR_WGRAD_STREAM = 0x2545_F491_4F6C_DD1D, 0x6A09_E667_F3BC_C908, 0x3C6E_F372_FE94_F82B
 
 _NO_ACT = ("", (0.0, 0.0, 0.0))
 

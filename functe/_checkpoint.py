@@ -108,7 +108,12 @@ def save_tree(path: str | os.PathLike, tree: Any) -> None:
 
         save_file({k: v.clone() for k, v in flat.items()}, str(path))  # no shared storage allowed
     else:
-        torch.save(flat, path)
+        # (torch.save writes a view's whole storage: one row of a 1000x1000 tensor took 4 MB)
+        torch.save({k: v.clone() if _shares_a_larger_storage(v) else v for k, v in flat.items()}, path)
+
+
+def _shares_a_larger_storage(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
 
 
 def load_tree(path: str | os.PathLike, like: Any) -> Any:
@@ -128,5 +133,7 @@ def load_tree(path: str | os.PathLike, like: Any) -> Any:
 
         flat = load_file(str(path))
     else:
-        flat = torch.load(path, weights_only=True)
+        # (onto the CPU first: a GPU checkpoint loads on a CPU-only or a smaller machine, and
+        # tree_from_dict puts every tensor on its template's device)
+        flat = torch.load(path, weights_only=True, map_location="cpu")
     return tree_from_dict(like, flat)

@@ -262,6 +262,12 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
                 f"functe.state_from_gradient: the state pytree holds a tensor outside a ScalingState at {_keystr(path)}"
             )
         if not _is_state(old):
+            if not (old is None or isinstance(old, (int, float, str))):
+                raise StateError(
+                    f"functe.state_from_gradient: the state pytree holds a {type(old).__name__} at {_keystr(path)}, "
+                    "which functe cannot flatten (its states would never update): use dicts, lists and tuples, or "
+                    "register the class with functe.pytree_dataclass"
+                )
             new_leaves.append(old)
             continue
         _check_cotangent(old, ct, _keystr(path))
@@ -338,8 +344,10 @@ def _combine(old: ScalingState, cts: list[ScalingState | None], recipe: DelayedS
     amaxes = torch.stack([ct.amax_history[..., -1] for ct in used])
     amaxes = torch.where(counts > 0, amaxes, torch.zeros_like(amaxes))
     new = update_state(old, amaxes.amax(0), recipe=recipe, role=role)
-    top = counts.amax(0)
-    uses = torch.where(top > 1, top, (top > 0).to(torch.float32))
+    # Each copy's count is 0 or 1; any other (a copy used twice, or one that passed through an op,
+    # 0.5 for a state scaled by 0.5) marks the shared state badly used (-1, which the check reports).
+    bad = ((counts != 0) & (counts != 1)).any(0)
+    uses = torch.where(bad, torch.full_like(counts[0], -1.0), (counts.amax(0) > 0).to(torch.float32))
     combined = as_cotangent(new, 0.0)
     history = torch.cat([uses.reshape(1), combined.amax_history[1:]])
     return ScalingState(scale=combined.scale, amax_history=history)

@@ -58,6 +58,17 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
                 full[i] = t
             return fn(p, tree_unflatten(spec, full), *args, **kwargs)
 
+        for i, leaf in enumerate(leaves):
+            if not (leaf is None or isinstance(leaf, (torch.Tensor, int, float, str))):
+                # (an object optree cannot flatten is one opaque leaf: its scaling states would never
+                # enter the gradient, and the state would silently never update)
+                path = optree.tree_paths(state, none_is_leaf=True, namespace=NAMESPACE)[i]
+                raise StateError(
+                    f"functe.value_and_grad: state leaf {_key(path) or '(the state itself)'!r} is a "
+                    f"{type(leaf).__name__}, which functe "
+                    "cannot flatten (its tensors would never update): use dicts, lists and tuples, or register "
+                    "the class with functe.pytree_dataclass"
+                )
         tensors = [leaves[i] for i in positions]
         for i, t in zip(positions, tensors):
             if not t.is_floating_point():  # (torch.func would refuse it with a message naming nothing)

@@ -223,3 +223,13 @@ def test_only_2d_weight_blocks_keep_the_quantized_weight(name, keeps_wq):
     assert bool(weight_sized) == keeps_wq
     (dx,) = torch.autograd.grad(y.sum(), x)
     assert dx.isfinite().all()
+
+
+def test_nearby_seeds_never_share_a_stream():
+    # Streams were seed ^ 0x53520001 / 0x53520002: seed 3's dgrad rounding bits were seed 0's wgrad
+    # ones (layers or steps 0 and 3 of base + offset seeds). Every stream of every seed a counter or
+    # a layer offset makes is now distinct.
+    streams = (0, RHT_STREAM, SR_DGRAD_STREAM, SR_WGRAD_STREAM)
+    seeds = range(-(2**12), 2**12)
+    keys = {s ^ c for s in seeds for c in streams}
+    assert len(keys) == len(seeds) * len(streams)

@@ -123,6 +123,13 @@ def test_vmap_batched_seed_gives_each_member_its_own_mask(backend):
     assert torch.equal(masks, torch.stack([ops.dropout(x[0], 0.5, seed=k) for k in (1, 2, 3)]))
 
 
+def test_vmap_over_zero_members(backend):
+    # the CPU fast path viewed x by the number of seeds: zero of them could not say the row length
+    x, seeds = torch.ones(0, 5), torch.zeros(0, dtype=torch.int64)
+    assert torch.vmap(lambda t, s: ops.dropout(t, 0.5, seed=s))(x, seeds).shape == (0, 5)
+    assert torch.vmap(lambda t: ops.dropout(t, 0.5, seed=3), in_dims=0)(x).shape == (0, 5)
+
+
 def test_torch_func_transforms_and_gradcheck(backend):
     x = make((3, 7), F64)
     factor = torch.where(_spec_keep(42, 21, 0.4).view(3, 7), dk.scale(0.4), 0.0).to(F64)

@@ -31,6 +31,20 @@ def test_resumed_run_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, suff
     assert not torch.equal(straight[2]["fc1"].input.scale, start[2]["fc1"].input.scale)  # the states moved
 
 
+def test_a_pt_checkpoint_loads_onto_the_templates_device_and_stores_views_compactly(tmp_path, monkeypatch):
+    # torch.load without map_location deserialised onto the saved device (a GPU checkpoint failed on a
+    # CPU-only machine); a saved view wrote its whole storage (one row of a 1000x1000 tensor: 4 MB)
+    big = torch.arange(1000 * 1000, dtype=torch.float32).reshape(1000, 1000)
+    path = tmp_path / "row.pt"
+    functe.save_tree(path, {"row": big[3]})
+    assert path.stat().st_size < 16_000
+    seen = {}
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: seen.update(k) or real_load(*a, **k))
+    back = functe.load_tree(path, {"row": torch.zeros(1000)})
+    assert seen.get("map_location") == "cpu" and torch.equal(back["row"], big[3])
+
+
 def test_tree_dict_keys_and_errors():
     state = {"fc1": functe.init_linear_scaling_state(functe.DelayedScaling(amax_history_len=2)), "none": None}
     flat = functe.tree_to_dict(state)

@@ -164,6 +164,37 @@ def test_state_passed_through_an_op_is_rejected():
         functe.value_and_grad(loss_fn)(torch.ones(4, 16), state, torch.ones(2, 16))
 
 
+def test_a_shared_state_passed_through_an_op_is_rejected_too():
+    # share_state turned a copy's count of 0.5 (the state scaled by 0.5 on its way) into 1: the
+    # halved amax was recorded and the next step saturated.
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def loss_fn(params, state, x):
+        (copy,) = functe.share_state(state, 1, recipe=recipe)
+        return functe.ops.fp8_linear(x, params, None, functe.tree_map(lambda t: t * 0.5, copy), recipe=recipe).sum()
+
+    state = functe.init_linear_scaling_state(recipe)
+    with pytest.raises(functe.StateError, match=r"was used more than once.*or reached its op through"):
+        functe.value_and_grad(loss_fn)(torch.ones(4, 16), state, torch.ones(2, 16))
+
+
+def test_a_state_inside_a_class_functe_cannot_flatten_is_refused():
+    # an opaque leaf: its scaling states never entered the gradient and never updated, silently
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Holder:
+        fc1: functe.LinearScalingState
+
+    recipe = DelayedScaling(amax_history_len=4)
+    loss_fn = lambda w, state, x: functe.ops.fp8_linear(x, w, None, state["a"].fc1, recipe=recipe).sum()
+    state = {"a": Holder(functe.init_linear_scaling_state(recipe))}
+    with pytest.raises(functe.StateError, match=r"state leaf 'a' is a Holder, which functe cannot flatten"):
+        functe.value_and_grad(loss_fn)(torch.ones(4, 16), state, torch.ones(2, 16))
+    with pytest.raises(functe.StateError, match=r"holds a Holder at state\.a, which functe cannot flatten"):
+        functe.state_from_gradient(state, {"a": None})
+
+
 # ----------------------------------------------------------------------------- share_state
 
 

@@ -215,6 +215,8 @@ def _keep(seed: Tensor, shape: torch.Size, p: float) -> Tensor:
 
 def _dropout_fast(x: Tensor, seed: Tensor, p: float) -> Tensor:
     """The CPU fast path: per-chunk keys as Python ints, in-place int32 ops on cache-sized chunks."""
+    if not x.numel():  # (a vmap over zero members has zero seeds: no row count to view by)
+        return torch.empty_like(x)
     flat = x.contiguous().view(seed.numel(), -1)
     y = torch.empty_like(flat)
     n = flat.shape[1]
