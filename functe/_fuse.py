@@ -33,6 +33,7 @@ import linecache
 import math
 import operator
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -285,8 +286,9 @@ def _pruned_residuals(em: _Emitter, live: _Liveness, res_names: dict) -> None:
     weight's linear keeps no input; see custom_vjp)."""
     for e in live.live:
         prune = getattr(e.op, "prune_residuals", None)
-        # (an absent bias or an int seed is unflagged too, but there is nothing to prune for it)
-        if prune is None or all(a in live.needs for a in e.inputs if _is_float_var(a)):
+        # (an absent bias or an int seed is unflagged too, but there is nothing to prune for it; a
+        # captured float tensor, a literal, is frozen)
+        if prune is None or not any(_frozen_float(a, live) for a in e.inputs):
             continue
         flags = _step_needs(e, live)
         if e.phase == "backward":  # (a fused step reads the tuple of its covered ops' residuals)
@@ -295,6 +297,14 @@ def _pruned_residuals(em: _Emitter, live: _Liveness, res_names: dict) -> None:
         else:
             name = res_names[e]
             em.emit(f"{name} = {em.glob(prune, 'p')}({name}{em.params(e)}, needs_input_grad={flags!r})")
+
+
+def _frozen_float(a, live: _Liveness) -> bool:
+    """Whether a step input is a float tensor that wants no gradient (a frozen input's value, or a
+    captured constant)."""
+    if isinstance(a, Var):
+        return a.dtype.is_floating_point and a not in live.needs
+    return isinstance(a.value, Tensor) and a.value.is_floating_point()
 
 
 def _owners(eqn: Eqn) -> tuple[Eqn, ...]:
@@ -507,10 +517,11 @@ class Plan:
         self._opaque_checks = list(
             {id(c): c for e in program.eqns if (c := getattr(e.op, "opaque_check", None))}.values()
         )
-        # Captured tensors whose values the trace folded into constants, with their version
-        # counters: an in-place update makes the plan stale (retraced), see _trace._CapturedWatch.
-        self.sources = [(t, t._version) for t in sources]
-        self.checks_captured = bool(self._captured or self._opaque_checks or self.sources)
+        # Captured tensors whose values the trace folded into constants (weakly: a freed one cannot
+        # change), with their version counters and requires_grad: an in-place update, or a tensor
+        # starting to require grad, makes the plan stale (retraced), see _trace._CapturedWatch.
+        self.sources = [(weakref.ref(t), t._version, t.requires_grad) for t in sources]
+        self.checks_captured = bool(self._captured or self._opaque_checks)
         full = self.variant(None)
         self.liveness, self.source, self.infer, self.op = full.liveness, full.source, full.infer, full.op
         self.eager, self.with_constants, self.run_op = full.eager, full.with_constants, full.run_op
@@ -523,7 +534,7 @@ class Plan:
         records them; the forward rules of ``infer`` need not be differentiable: a quantizing kernel
         is not). Unfused, autograd would record them. (An opaque function runs as plain torch in
         ``infer``, so autograd reaches what it captured.)"""
-        for t in (*self._captured, *(t for t, _ in self.sources)):
+        for t in self._captured:
             if t.requires_grad:
                 raise TraceError(
                     f"functe.fuse({self.name}): a tensor {describe(t)} captured from the enclosing scope as a constant "
@@ -535,8 +546,13 @@ class Plan:
                 check()
 
     def stale(self) -> bool:
-        """Whether a captured tensor the trace folded into a constant changed in place since."""
-        return any(t._version != version for t, version in self.sources)
+        """Whether a captured tensor the trace folded into a constant changed in place since, or
+        started (or stopped) requiring grad (the retrace decides whether that gradient can flow)."""
+        for ref, version, requires_grad in self.sources:
+            t = ref()
+            if t is not None and (t._version != version or t.requires_grad != requires_grad):
+                return True
+        return False
 
     def variant(self, needs_grad: tuple[bool, ...] | None) -> _Variant:
         """The generated functions when only the inputs flagged in ``needs_grad`` (one flag per
@@ -860,7 +876,7 @@ class Fused:
                     changed.append(f"{_shown(old)} -> {_shown(new)}")
         what = f"static leaves changed: {', '.join(changed)}; " if changed else ""
         warnings.warn(
-            f"functe.fuse({self.__name__}) has traced {self.trace_count} input signatures (each plan is kept); "
+            f"functe.fuse({self.__name__}) has traced {len(self._plans)} input signatures (each plan is kept); "
             f"{what}non-tensor arguments are static, so a value that changes every call (a step count, a "
             "seed) retraces every call: pass it as a tensor (a seed as an i64[] tensor)",
             RetraceWarning,

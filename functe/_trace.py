@@ -31,6 +31,7 @@ import functools
 import math
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -345,39 +346,41 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
     A computation on tensors captured from the enclosing scope (``w.t().contiguous()``,
     ``w.to(torch.bfloat16)``, ``2 * w``) runs once, at trace time, and its result becomes a
     constant of the op list. :func:`functe.fuse` keeps the captured tensors it read (``sources``,
-    with their version counters) and retraces when one changed in place (an optimizer step), and
-    refuses one that starts requiring grad, instead of computing with a stale constant. Views
-    (``w.t()``) share the captured storage; results that depend on metadata only
-    (``torch.zeros_like(w)``, ``x.to(w)``) and tensors made from nothing captured
-    (``torch.ones(3)``) read no captured value. Not seen: updates that bypass the version counter
-    (``w.data.mul_()``, ``torch.optim`` with ``fused=True``) and inference tensors, which have none.
+    by weak reference with their version counters and ``requires_grad``) and retraces when one
+    changed in place (an optimizer step) or started requiring grad (the retrace then refuses a
+    gradient-carrying constant, as any trace does), instead of computing with a stale constant.
+    Views (``w.t()``, ``w.data``) share the captured storage and stand for it; results that depend
+    on metadata only (``torch.zeros_like(w)``, ``x.to(w)``, ``w.numel()``) and tensors made from
+    nothing captured (``torch.ones(3)``) read no captured value. Not seen: updates that bypass
+    the version counter (``w.data.mul_()``, ``torch.optim`` with ``fused=True``) and inference
+    tensors, which have none.
     """
 
     def __init__(self, sources: dict[int, Tensor]):
         super().__init__()
         self.sources = sources  # id -> captured tensor a folded computation read
-        self.made: dict[int, Tensor] = {}  # id -> tensor made during the trace (kept: ids stay unique)
-        self.captured_storages: set[int] = set()
+        self.made: dict[int, weakref.ref] = {}  # id -> tensor made during the trace (weakly: not kept alive)
+        self.captured: dict[int, Tensor] = {}  # storage -> the captured tensor first seen with it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _active is None or func in _METADATA or func in _VALUE_FREE:  # (shape inference, metadata)
+        if _active is None or func in _METADATA or func in _NO_VALUE_READ:  # (shape inference, metadata)
             return out
-        # (x.to(other) and x.type_as(other) read other's dtype and device only)
-        tensors = [t for t in tree_flatten((args[:1], {}) if func in _TEMPLATE_ONLY else (args, kwargs))[0]]
-        tensors = [_unwrapped(t) for t in tensors if isinstance(t, Tensor)]
+        # (x.to(other), x.expand_as(other), ... read other's metadata only; other.new_tensor(data) reads data)
+        values = args[1:2] if func is T.new_tensor else args[:1] if func in _TEMPLATE_ONLY else (args, kwargs)
+        tensors = [_unwrapped(t) for t in tree_flatten(values)[0] if isinstance(t, Tensor)]
         if any(isinstance(t, (Tracer, _ShapeOnly)) for t in tensors):
             return out
-        read = {}  # storage -> the captured tensors among the arguments (a view stands for its base)
+        read = {}  # storage -> the captured tensor whose values the call reads (a view stands for it)
         for t in tensors:
             if t.device.type == "meta" or t.is_inference():  # (an inference tensor has no version counter)
                 continue
-            if id(t) not in self.made:
-                self.captured_storages.add(_storage(t))
-                read.setdefault(_storage(t), []).append(t)
-            elif _storage(t) in self.captured_storages:
-                read.setdefault(_storage(t), []).append(t._base if t._base is not None else t)
+            storage = _storage(t)
+            if not self._made(t):
+                read[storage] = self.captured.setdefault(storage, t)
+            elif storage in self.captured:  # a view of a captured tensor (w.t(), w.data)
+                read[storage] = self.captured[storage]
         # A result that is a view of a captured tensor (w.t(), table[i]) reads none of that tensor's
         # values: it stays live through the storage. Every other captured argument was read (the
         # index i), and so is everything when the result is not a tensor (x.item(), c[:] = w).
@@ -386,10 +389,13 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
                 r = _unwrapped(r)
                 if r.device.type != "meta":
                     read.pop(_storage(r), None)
-                self.made[id(r)] = r
-        for ts in read.values():
-            self.sources.update((id(t), t) for t in ts)
+                self.made[id(r)] = weakref.ref(r)
+        self.sources.update((id(t), t) for t in read.values())
         return out
+
+    def _made(self, t: Tensor) -> bool:
+        ref = self.made.get(id(t))
+        return ref is not None and ref() is t
 
 
 def _unwrapped(t: Tensor) -> Tensor:
@@ -760,9 +766,16 @@ _METADATA = {
     T.get_device,
 }
 
-# Results that depend on an argument's metadata only (a captured tensor may be their template).
-_TEMPLATE_ONLY = {T.to, T.type_as}  # (their other tensor argument is a dtype/device template)
-_VALUE_FREE = {
+# Calls that read a tensor's metadata only (the trace's folded-constant watch skips them), and
+# those whose first argument is the only value read (the others are templates).
+_TEMPLATE_ONLY = {T.to, T.type_as, T.expand_as, T.view_as, T.reshape_as}
+_NO_VALUE_READ = {
+    T.is_cpu.__get__,
+    T.nbytes.__get__,
+    T.itemsize.__get__,
+    T.is_leaf.__get__,
+    T.storage_offset,
+    torch.numel,
     torch.zeros_like,
     torch.ones_like,
     torch.empty_like,

@@ -805,9 +805,47 @@ def test_constants_folded_from_a_captured_tensor_follow_it(derive):
         w.mul_(-3.0)  # in place: its version counter moves
     assert torch.equal(fused(x), fn(x)) and fused.trace_count == 2  # retraced on the new values
     assert torch.equal(fused(x), fn(x)) and fused.trace_count == 2  # and cached again
-    w.requires_grad_()
-    with pytest.raises(functe.TraceError, match=r"requires gradients now"):
+    w.requires_grad_()  # a retrace, whose folded constant now carries a gradient: refused as any trace does
+    with pytest.raises(functe.TraceError, match=r"captured from the enclosing scope requires gradients"):
         fused(x)
+
+
+def test_reads_that_carry_no_gradient_survive_a_trainable_capture():
+    # Once a trainable captured tensor was a source, every call raised, also for reads that never
+    # carry its gradient (a no_grad fold, a number, metadata): they work as unfused.
+    p = make((8, 16)).requires_grad_()
+    fns = [
+        lambda x: ops.linear(x, p.detach() * 2.0),
+        lambda x: ops.constant_scale(x, p.norm().item()),
+        lambda x: ops.constant_scale(x, float(torch.numel(p) + p.nbytes + p.storage_offset())),
+        lambda x: ops.add_extra_input(x, torch.ones(4, 16).view_as(p[:4])),
+    ]
+    x = make((4, 16)).requires_grad_()
+    for fn in fns:
+        fused = functe.fuse(fn)
+        for _ in range(2):
+            assert_close(fused(x), fn(x))
+        assert fused.trace_count == 1
+
+
+def test_reads_through_data_follow_the_tensor():
+    # w.data has a version counter of its own: the source must be w
+    w = make((8, 16))
+    fn = lambda x: ops.linear(x, w.data * 2.0)
+    fused, x = functe.fuse(fn), make((4, 16))
+    fused(x)
+    with torch.no_grad():
+        w.mul_(-3.0)
+    assert torch.equal(fused(x), fn(x)) and fused.trace_count == 2
+
+
+def test_a_captured_frozen_weight_keeps_no_input_alive():
+    # a captured weight is a literal: its step's prune was skipped, and x was saved for a wgrad that never runs
+    w = make((8, 64))
+    fused, x = functe.fuse(lambda x: ops.linear(x, w)), make((64, 64)).requires_grad_()
+    y, saved = saved_storages(lambda: fused(x))
+    assert x.untyped_storage().data_ptr() not in saved
+    assert torch.equal(torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(ops.linear(x, w).sum(), x)[0])
 
 
 _W, _POS = make((8, 16)), torch.tensor(1)
@@ -910,3 +948,16 @@ def test_threads_tracing_one_fused_function_at_once_get_their_own_plans():
             assert isinstance(got, torch.Tensor), f"scale {s}: {got!r}"
             assert_close(got, ops.linear(x, w) * s)
         assert fused.trace_count == 4  # (a call while another thread traced ran unfused, inline)
+
+
+def test_a_plan_keeps_neither_the_folded_source_nor_trace_intermediates_alive():
+    # Plan.sources held the captured original (kept beside its folded copy after del), and the trace
+    # held every tensor it made until it ended
+    import gc
+
+    held = {"w": make((64, 64))}
+    fused = functe.fuse(lambda x: ops.linear(x, (held["w"] * 2.0).to(torch.float64).float()))
+    fused(make((4, 64)))
+    ref = weakref.ref(held.pop("w"))
+    gc.collect()
+    assert ref() is None and fused.trace_count == 1
