@@ -237,6 +237,11 @@ def _spelled_out(tree) -> bool:
     return ok and all(_spelled_out(c) for c in tree.children())
 
 
+def _output(em: _Emitter, a) -> str:
+    """A program output; a constant the function made is copied on every call (see Literal.fresh)."""
+    return f"{em.atom(a)}.clone()" if isinstance(a, Literal) and a.fresh else em.atom(a)
+
+
 def _is_float_var(a) -> bool:
     return isinstance(a, Var) and a.dtype.is_floating_point
 
@@ -339,7 +344,7 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
 
     def outputs(in_function: bool) -> str:
         if not in_function:
-            return em.pack([em.atom(a) for a in program.outputs], program.out_tree)
+            return em.pack([_output(em, a) for a in program.outputs], program.out_tree)
         # Inside the Function: constants (a captured tensor the program returns) are left out and put
         # back by the caller (with_constants, below): as outputs of the Function, autograd would give
         # the caller's own tensor a grad_fn. Variables go through _distinct (see there).
@@ -374,7 +379,7 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
         if program.out_tree != LEAF:
             em.emit(f"out = {em.leaves(program.out_tree, 'out')}")
         items = [
-            (("out" if program.out_tree == LEAF else f"out[{k}]") if isinstance(a, Var) else em.atom(a))
+            (("out" if program.out_tree == LEAF else f"out[{k}]") if isinstance(a, Var) else _output(em, a))
             for k, a in enumerate(program.outputs)
         ]
         em.emit(f"return {em.pack(items, program.out_tree)}")
@@ -520,7 +525,7 @@ class Plan:
         # Captured tensors whose values the trace folded into constants (weakly: a freed one cannot
         # change), with their version counters and requires_grad: an in-place update, or a tensor
         # starting to require grad, makes the plan stale (retraced), see _trace._CapturedWatch.
-        self.sources = [(weakref.ref(t), t._version, t.requires_grad) for t in sources]
+        self.sources = [(weakref.ref(t), t._version, t.requires_grad, _trace.storage_of(t)) for t in sources]
         self.checks_captured = bool(self._captured or self._opaque_checks)
         full = self.variant(None)
         self.liveness, self.source, self.infer, self.op = full.liveness, full.source, full.infer, full.op
@@ -548,10 +553,12 @@ class Plan:
     def stale(self) -> bool:
         """Whether a captured tensor the trace folded into a constant changed in place since, or
         started (or stopped) requiring grad (the retrace decides whether that gradient can flow)."""
-        for ref, version, requires_grad in self.sources:
+        for ref, version, requires_grad, storage in self.sources:
             t = ref()
-            if t is not None and (t._version != version or t.requires_grad != requires_grad):
-                return True
+            if t is not None and (
+                t._version != version or t.requires_grad != requires_grad or _trace.storage_of(t) != storage
+            ):
+                return True  # (a new storage: p.data = ..., set_())
         return False
 
     def variant(self, needs_grad: tuple[bool, ...] | None) -> _Variant:
@@ -816,6 +823,8 @@ class Fused:
                 key.append((float, x.hex()))
             else:
                 key.append(_static_key(x))
+        if torch._C._is_any_autocast_enabled():  # (a trace under autocast folds and records its dtypes)
+            key.append(_autocast_state())
         key = tuple(key)
         try:
             index = self._index.get(key)
@@ -897,6 +906,15 @@ def _shown(entry: tuple) -> str:
     if isinstance(value, str) and kind is not str:
         return repr(float.fromhex(value))  # (only floats are keyed by a string of another type)
     return repr(value)
+
+
+def _autocast_state() -> tuple:
+    """Which devices autocast is on for, and to which dtype (part of the signature when on)."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda", "xpu", "mps")
+        if torch.is_autocast_enabled(device)
+    )
 
 
 def _static_key(x: Any) -> tuple:

@@ -67,12 +67,18 @@ class Var:
 
 
 class Literal:
-    """A constant atom: ``None``, a Python number, or a captured tensor."""
+    """A constant atom: ``None``, a Python number, or a captured tensor.
 
-    __slots__ = ("value",)
+    ``fresh``: a tensor the traced function made itself (``torch.zeros(8)``, a folded ``2 * w``);
+    returned as a program output it is copied on every call, as the function would make a new one
+    (the caller may change it in place).
+    """
 
-    def __init__(self, value: Any):
+    __slots__ = ("fresh", "value")
+
+    def __init__(self, value: Any, fresh: bool = False):
         self.value = value
+        self.fresh = fresh
 
     def __repr__(self):
         return f"Literal({_literal_text(self.value)})"

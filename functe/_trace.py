@@ -333,10 +333,12 @@ def trace_call(fn: Callable, args: tuple, kwargs: dict, sources: dict[int, Tenso
             traced_leaves.append(leaf)
     targs, tkwargs = tree_unflatten(in_tree, traced_leaves)
     # Under grad mode, so that ops take their differentiable path (no donation).
-    with _recording(t), torch.enable_grad(), _CapturedWatch({} if sources is None else sources):
+    # (out of inference mode: a plan traced during an eval pass must serve training calls too)
+    watch = _CapturedWatch({} if sources is None else sources)
+    with _recording(t), torch.inference_mode(False), torch.enable_grad(), watch:
         out = fn(*targs, **tkwargs)
     out_leaves, out_tree = tree_flatten(out)
-    outputs = [_output_atom(leaf, t) for leaf in out_leaves]
+    outputs = [_output_atom(leaf, t, watch) for leaf in out_leaves]
     return OpList(inputs, t.eqns, outputs, in_tree=in_tree, out_tree=out_tree, static=static)
 
 
@@ -364,11 +366,18 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _active is not None:  # (refused before they run)
+            self._refuse_effects(func, args)
         out = func(*args, **kwargs)
         if _active is None or func in _METADATA or func in _NO_VALUE_READ:  # (shape inference, metadata)
             return out
         # (x.to(other), x.expand_as(other), ... read other's metadata only; other.new_tensor(data) reads data)
-        values = args[1:2] if func is T.new_tensor else args[:1] if func in _TEMPLATE_ONLY else (args, kwargs)
+        if func is T.new_tensor:
+            values = args[1:2]
+        elif func in _TEMPLATE_ONLY:
+            values = args[:1]
+        else:
+            values = (args[1:], kwargs) if func in _TEMPLATE_FIRST else (args, kwargs)
         tensors = [_unwrapped(t) for t in tree_flatten(values)[0] if isinstance(t, Tensor)]
         if any(isinstance(t, (Tracer, _ShapeOnly)) for t in tensors):
             return out
@@ -376,7 +385,7 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
         for t in tensors:
             if t.device.type == "meta" or t.is_inference():  # (an inference tensor has no version counter)
                 continue
-            storage = _storage(t)
+            storage = storage_of(t)
             if not self._made(t):
                 read[storage] = self.captured.setdefault(storage, t)
             elif storage in self.captured:  # a view of a captured tensor (w.t(), w.data)
@@ -388,14 +397,39 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
             if isinstance(r, Tensor):
                 r = _unwrapped(r)
                 if r.device.type != "meta":
-                    read.pop(_storage(r), None)
+                    read.pop(storage_of(r), None)
                 self.made[id(r)] = weakref.ref(r)
         self.sources.update((id(t), t) for t in read.values())
         return out
 
+    def _refuse_effects(self, func, args: tuple) -> None:
+        """Random draws and writes into captured tensors would happen once, at trace time."""
+        if func in _RANDOM:
+            raise TraceError(
+                f"functe.trace: {_func_name(func)} draws random numbers inside a traced function: the draw would "
+                "happen once, at trace time, and every call would reuse it. Pass the random tensor as an "
+                "argument, or use a seeded op (functe.ops.dropout(x, p, seed=...))"
+            )
+        target = args[0] if args and isinstance(args[0], Tensor) else None
+        if target is None or isinstance(target, (Tracer, _ShapeOnly)) or not _in_place(func):
+            return
+        target = _unwrapped(target)
+        if target.device.type != "meta" and (not self._made(target) or storage_of(target) in self.captured):
+            raise TraceError(
+                f"functe.trace: {_func_name(func)} writes into {describe(target)} captured from the enclosing "
+                "scope: inside a traced function the write would happen once, at trace time, not on every "
+                "call. Keep state explicit: take the tensor as an argument and return its new value"
+            )
+
     def _made(self, t: Tensor) -> bool:
         ref = self.made.get(id(t))
         return ref is not None and ref() is t
+
+
+def _in_place(func) -> bool:
+    """Whether ``func`` writes into its first argument (``Tensor.add_``, ``Tensor.__setitem__``)."""
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
 
 
 def _unwrapped(t: Tensor) -> Tensor:
@@ -407,14 +441,15 @@ def _unwrapped(t: Tensor) -> Tensor:
     return t
 
 
-def _storage(t: Tensor) -> int:
+def storage_of(t: Tensor) -> int:
+    """The address of ``t``'s storage (identifies what views share)."""
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # (a tensor without storage: treated as its own)
         return -id(t)
 
 
-def _output_atom(leaf: Any, t: _Trace):
+def _output_atom(leaf: Any, t: _Trace, watch: _CapturedWatch):
     if isinstance(leaf, Tracer):
         if leaf._trace is not t:
             raise TraceError("functe.trace: the function returned a traced value from another trace")
@@ -425,7 +460,7 @@ def _output_atom(leaf: Any, t: _Trace):
                 f"functe.trace: the function returned a captured tensor {describe(leaf)} that requires gradients; "
                 "pass it as an argument instead"
             )
-        return Literal(leaf)
+        return Literal(leaf, fresh=isinstance(leaf, Tensor) and watch._made(_unwrapped(leaf)))
     raise TraceError(f"functe.trace: outputs must be tensors or None, got {describe(leaf)}")
 
 
@@ -776,15 +811,40 @@ _NO_VALUE_READ = {
     T.is_leaf.__get__,
     T.storage_offset,
     torch.numel,
+}
+# Their first argument is a template (shape, dtype, device); any other tensor is a value read
+# (torch.full_like(base, s) reads s).
+_TEMPLATE_FIRST = {
     torch.zeros_like,
     torch.ones_like,
     torch.empty_like,
     torch.full_like,
-    torch.rand_like,
-    torch.randn_like,
-    torch.randint_like,
     T.new_zeros,
     T.new_ones,
     T.new_empty,
     T.new_full,
+}
+# Random draws: inside a traced function they would run once, at trace time, and every call would
+# reuse that draw (explicit randomness is a seed argument: ops.dropout(x, p, seed=...)).
+_RANDOM = {
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.normal,
+    torch.bernoulli,
+    torch.multinomial,
+    torch.poisson,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+    torch.nn.functional.dropout,
+    T.uniform_,
+    T.normal_,
+    T.bernoulli_,
+    T.random_,
+    T.exponential_,
+    T.geometric_,
+    T.log_normal_,
+    T.cauchy_,
 }

@@ -961,3 +961,48 @@ def test_a_plan_keeps_neither_the_folded_source_nor_trace_intermediates_alive():
     ref = weakref.ref(held.pop("w"))
     gc.collect()
     assert ref() is None and fused.trace_count == 1
+
+
+def test_draws_and_writes_inside_a_traced_function_are_refused():
+    # they ran once, at trace time: every call reused the same noise, and step.add_(1) counted once
+    step = torch.zeros(())
+    x = make((4, 8))
+    with pytest.raises(functe.TraceError, match=r"torch\.randn draws random numbers inside a traced function"):
+        functe.fuse(lambda x: ops.add_extra_input(x, torch.randn(4, 8)))(x)
+    with pytest.raises(functe.TraceError, match=r"Tensor\.add_ writes into f32\[\] captured from the enclosing"):
+        functe.fuse(lambda x: (step.add_(1), ops.constant_scale(x, 2.0))[1])(x)
+    assert step.item() == 0.0
+
+
+def test_returned_constants_autocast_inference_mode_fill_values_and_new_storage():
+    x = make((4, 8))
+    # a constant the function makes and returns: a copy per call (the caller changed the shared one)
+    fused = functe.fuse(lambda x: (ops.constant_scale(x, 2.0), torch.zeros(3)))
+    fused(x)[1].add_(5.0)
+    assert torch.equal(fused(x)[1], torch.zeros(3))
+    # traced in an eval pass (inference mode): its folded constants served training calls badly
+    w = make((8, 8))
+    fn = lambda x: ops.linear(x, 2.0 * w)
+    fused = functe.fuse(fn)
+    with torch.inference_mode():
+        fused(x)
+    xg = x.clone().requires_grad_()
+    assert torch.equal(torch.autograd.grad(fused(xg).sum(), xg)[0], torch.autograd.grad(fn(xg).sum(), xg)[0])
+    # autocast is part of the signature: a bf16 fold traced under it is not reused without it
+    fn2 = lambda x: ops.add_extra_input(x, (w @ w).float()[:4])
+    fused2 = functe.fuse(fn2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused2(x)
+    assert torch.equal(fused2(x), fn2(x)) and fused2.trace_count == 2
+    # a captured 0-d fill value is read; a source given a new storage retraces
+    s = torch.tensor(3.0)
+    fn3 = lambda x: ops.add_extra_input(x, torch.full_like(w[:4], s))
+    fused3 = functe.fuse(fn3)
+    fused3(x)
+    with torch.no_grad():
+        s.mul_(5.0)
+    assert torch.equal(fused3(x), fn3(x))
+    fused4 = functe.fuse(fn)
+    fused4(x)
+    w.data = make((8, 8))  # no version change: a new storage
+    assert torch.equal(fused4(x), fn(x)) and fused4.trace_count == 2
