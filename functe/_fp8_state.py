@@ -23,6 +23,7 @@ state argument, so ``torch.func.grad`` hands them back with the parameter gradie
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import optree
@@ -227,6 +228,25 @@ def _next_state(old: ScalingState, ct: ScalingState | None) -> tuple[ScalingStat
     return ScalingState(scale=scale, amax_history=history), uses
 
 
+def hides_tensors(x: Any, depth: int = 3) -> bool:
+    """Whether a pytree leaf (an object functe cannot flatten) holds tensors or scaling states in its
+    fields, items or attributes: they would never take part in a gradient (a recipe, a number or a
+    string holds none)."""
+    if isinstance(x, (torch.Tensor, ScalingState)):
+        return True
+    if depth == 0 or x is None or isinstance(x, (int, float, str, bytes, bool, type)):
+        return False
+    if isinstance(x, dict):
+        children = list(x.values())
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        children = list(x)
+    elif dataclasses.is_dataclass(x):
+        children = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
+    else:
+        children = list(getattr(x, "__dict__", {}).values())
+    return any(hides_tensors(c, depth - 1) for c in children)
+
+
 def _is_state(x: Any) -> bool:
     return isinstance(x, ScalingState)
 
@@ -262,7 +282,7 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
                 f"functe.state_from_gradient: the state pytree holds a tensor outside a ScalingState at {_keystr(path)}"
             )
         if not _is_state(old):
-            if not (old is None or isinstance(old, (int, float, str))):
+            if hides_tensors(old):
                 raise StateError(
                     f"functe.state_from_gradient: the state pytree holds a {type(old).__name__} at {_keystr(path)}, "
                     "which functe cannot flatten (its states would never update): use dicts, lists and tuples, or "

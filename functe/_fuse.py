@@ -519,26 +519,26 @@ class Plan:
             for a in e.inputs
             if isinstance(a, Literal) and isinstance(a.value, torch.Tensor)
         ]
-        self._opaque_checks = list(
-            {id(c): c for e in program.eqns if (c := getattr(e.op, "opaque_check", None))}.values()
-        )
+        self._opaque_eqns = [e for e in program.eqns if getattr(e.op, "opaque_check", None)]
         # Captured tensors whose values the trace folded into constants (weakly: a freed one cannot
         # change), with their version counters and requires_grad: an in-place update, or a tensor
         # starting to require grad, makes the plan stale (retraced), see _trace._CapturedWatch.
         self.sources = [(weakref.ref(t), t._version, t.requires_grad, _trace.storage_of(t)) for t in sources]
-        self.checks_captured = bool(self._captured or self._opaque_checks)
+        self.checks_captured = bool(self._captured or self._opaque_eqns)
         full = self.variant(None)
         self.liveness, self.source, self.infer, self.op = full.liveness, full.source, full.infer, full.op
         self.eager, self.with_constants, self.run_op = full.eager, full.with_constants, full.run_op
 
-    def check_captured(self, node: bool) -> None:
+    def check_captured(self, variant: _Variant | None) -> None:
         """Before the program runs with grad mode on: raise if a tensor it captured as a constant
         requires grad now, and, when it runs as one autograd node (``node``), if one an opaque
         function reaches by name does. The trace refused such tensors, but ``requires_grad_()``
         after it would make the cached plan drop their gradients silently (inside the node nothing
         records them; the forward rules of ``infer`` need not be differentiable: a quantizing kernel
         is not). Unfused, autograd would record them. (An opaque function runs as plain torch in
-        ``infer``, so autograd reaches what it captured.)"""
+        ``infer``, so autograd reaches what it captured; inside the node, an opaque op whose step is
+        live checks in its own backward, as unfused, and only one whose step is not checks here.)
+        ``variant``: the one running as the node, ``None`` for ``infer``."""
         for t in self._captured:
             if t.requires_grad:
                 raise TraceError(
@@ -546,9 +546,9 @@ class Plan:
                     "requires gradients now; pass it to the fused function as an argument, otherwise its gradient "
                     "would be silently lost"
                 )
-        if node:
-            for check in self._opaque_checks:
-                check()
+        if variant is not None:
+            for e in variant.dead_opaque:
+                e.op.opaque_check()
 
     def stale(self) -> bool:
         """Whether a captured tensor the trace folded into a constant changed in place since, or
@@ -607,6 +607,10 @@ class _Variant:
         program, name = plan.program, plan.name
         wanted = None if needs_grad is None else frozenset(v for v, n in zip(program.inputs, needs_grad) if n)
         self.liveness = _Liveness(program, plan.joint, plan.backward, wanted)
+        # opaque ops whose backward step does not run: their forward, inside the node, hides what
+        # they capture from autograd (see Plan.check_captured)
+        owners = {o for e in self.liveness.live for o in _owners(e)}
+        self.dead_opaque = [e for e in plan._opaque_eqns if e not in owners]
         self.source, namespace = _generate(program, plan.forward, self.liveness)
         filename = f"<functe.fuse {name} #{next(_plan_numbers)}>"
         linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
@@ -780,10 +784,10 @@ class Fused:
             tensors = [walked[i] for i in order]
             if plan.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
                 if plan.checks_captured:
-                    plan.check_captured(node=True)
+                    plan.check_captured(plan.variant(None))
                 return plan.run_op(*tensors)  # Dynamo traces the custom_vjp op
             if plan.checks_captured and torch.is_grad_enabled():
-                plan.check_captured(node=False)
+                plan.check_captured(None)
             return plan.infer(*tensors)
         index, tensors = self._lookup(args, kwargs)
         plan = self._plans[index]
@@ -799,10 +803,10 @@ class Fused:
                 variant = plan.variant(None if all(needs) else needs)
                 if variant.liveness.live:  # (else no output depends on a trainable input)
                     if plan.checks_captured:
-                        plan.check_captured(node=True)
+                        plan.check_captured(variant)
                     return variant.run_op(*tensors) if functorch else variant.eager(*tensors)
         if plan.checks_captured and torch.is_grad_enabled():
-            plan.check_captured(node=False)
+            plan.check_captured(None)
         return plan.infer(*tensors)
 
     def _plan_and_tensors(self, args, kwargs) -> tuple[Plan, list[Tensor]]:

@@ -334,7 +334,7 @@ def trace_call(fn: Callable, args: tuple, kwargs: dict, sources: dict[int, Tenso
     targs, tkwargs = tree_unflatten(in_tree, traced_leaves)
     # Under grad mode, so that ops take their differentiable path (no donation).
     # (out of inference mode: a plan traced during an eval pass must serve training calls too)
-    watch = _CapturedWatch({} if sources is None else sources)
+    watch = _CapturedWatch({} if sources is None else sources, _reachable_storages(fn))
     with _recording(t), torch.inference_mode(False), torch.enable_grad(), watch:
         out = fn(*targs, **tkwargs)
     out_leaves, out_tree = tree_flatten(out)
@@ -358,8 +358,9 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
     tensors, which have none.
     """
 
-    def __init__(self, sources: dict[int, Tensor]):
+    def __init__(self, sources: dict[int, Tensor], reachable: set[int] = frozenset()):
         super().__init__()
+        self.reachable = reachable  # storages of the tensors the function reaches by name (state it may write)
         self.sources = sources  # id -> captured tensor a folded computation read
         self.made: dict[int, weakref.ref] = {}  # id -> tensor made during the trace (weakly: not kept alive)
         self.captured: dict[int, Tensor] = {}  # storage -> the captured tensor first seen with it
@@ -367,7 +368,7 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _active is not None:  # (refused before they run)
-            self._refuse_effects(func, args)
+            self._refuse_effects(func, args, kwargs)
         out = func(*args, **kwargs)
         if _active is None or func in _METADATA or func in _NO_VALUE_READ:  # (shape inference, metadata)
             return out
@@ -402,9 +403,9 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
         self.sources.update((id(t), t) for t in read.values())
         return out
 
-    def _refuse_effects(self, func, args: tuple) -> None:
+    def _refuse_effects(self, func, args: tuple, kwargs: dict) -> None:
         """Random draws and writes into captured tensors would happen once, at trace time."""
-        if func in _RANDOM:
+        if _draws(func, args, kwargs):
             raise TraceError(
                 f"functe.trace: {_func_name(func)} draws random numbers inside a traced function: the draw would "
                 "happen once, at trace time, and every call would reuse it. Pass the random tensor as an "
@@ -414,7 +415,9 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
         if target is None or isinstance(target, (Tracer, _ShapeOnly)) or not _in_place(func):
             return
         target = _unwrapped(target)
-        if target.device.type != "meta" and (not self._made(target) or storage_of(target) in self.captured):
+        # (only tensors the function reaches by name: one it made by means the watch cannot see,
+        # torch.from_numpy or copy.deepcopy, is its own to write)
+        if target.device.type != "meta" and storage_of(target) in self.reachable:
             raise TraceError(
                 f"functe.trace: {_func_name(func)} writes into {describe(target)} captured from the enclosing "
                 "scope: inside a traced function the write would happen once, at trace time, not on every "
@@ -427,9 +430,46 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
 
 
 def _in_place(func) -> bool:
-    """Whether ``func`` writes into its first argument (``Tensor.add_``, ``Tensor.__setitem__``)."""
+    """Whether ``func`` writes into its first argument's values (``Tensor.add_``, ``__setitem__``)."""
     name = getattr(func, "__name__", "")
-    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__") and name not in _FLAG_SETTERS)
+
+
+_FLAG_SETTERS = {"requires_grad_", "share_memory_", "retain_grad_"}
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the call draws from a random generator the trace cannot replay: not one the function
+    passes itself (``generator=``), and not dropout that is off (``training=False`` or ``p=0``)."""
+    if func not in _RANDOM or kwargs.get("generator") is not None:
+        return False
+    if func is torch.nn.functional.dropout:
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+        return bool(training) and p != 0
+    return True
+
+
+def _reachable_storages(fn: Callable) -> set[int]:
+    """Storages of the tensors ``fn`` reaches by name (closure, defaults, the globals its code names;
+    a module's parameters and buffers): what a write inside a trace would change once only."""
+    values = list(_named_values(fn))
+    storages = set()
+    for v in values:
+        tensors = [v] if isinstance(v, Tensor) else []
+        if isinstance(v, torch.nn.Module):
+            tensors = [*v.parameters(), *v.buffers()]
+        storages.update(storage_of(t) for t in tensors if t.device.type != "meta")
+    return storages
+
+
+def _named_values(fn: Callable) -> list:
+    """What a plain function reaches by name: its closure, defaults and the globals its code names."""
+    if not isinstance(fn, types.FunctionType):
+        return []
+    values = [c.cell_contents for c in fn.__closure__ or () if _cell_filled(c)]
+    values += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+    return values + [fn.__globals__[n] for n in fn.__code__.co_names if n in fn.__globals__]
 
 
 def _unwrapped(t: Tensor) -> Tensor:
@@ -570,13 +610,7 @@ def _refuse_captured_grads(fn: Callable, label: str) -> None:
     Looks at what a plain function can reach by name: its closure, defaults and the globals its code
     names (one level deep, at backward time).
     """
-    if not isinstance(fn, types.FunctionType):
-        return
-    code = fn.__code__
-    values = [c.cell_contents for c in fn.__closure__ or () if _cell_filled(c)]
-    values += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
-    values += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
-    for v in values:
+    for v in _named_values(fn):
         if (isinstance(v, Tensor) and v.requires_grad) or (
             isinstance(v, torch.nn.Module) and any(p.requires_grad for p in v.parameters())
         ):

@@ -18,7 +18,7 @@ import torch
 
 from ._checkpoint import _key
 from ._errors import StateError, describe
-from ._fp8_state import state_from_gradient
+from ._fp8_state import hides_tensors, state_from_gradient
 from ._tree import NAMESPACE, tree_flatten, tree_unflatten
 
 
@@ -59,7 +59,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
             return fn(p, tree_unflatten(spec, full), *args, **kwargs)
 
         for i, leaf in enumerate(leaves):
-            if not (leaf is None or isinstance(leaf, (torch.Tensor, int, float, str))):
+            if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
                 # (an object optree cannot flatten is one opaque leaf: its scaling states would never
                 # enter the gradient, and the state would silently never update)
                 path = optree.tree_paths(state, none_is_leaf=True, namespace=NAMESPACE)[i]

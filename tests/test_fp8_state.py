@@ -193,6 +193,13 @@ def test_a_state_inside_a_class_functe_cannot_flatten_is_refused():
         functe.value_and_grad(loss_fn)(torch.ones(4, 16), state, torch.ones(2, 16))
     with pytest.raises(functe.StateError, match=r"holds a Holder at state\.a, which functe cannot flatten"):
         functe.state_from_gradient(state, {"a": None})
+    # objects that hold no tensor (a recipe, a numpy number) are plain leaves, as before
+    import numpy as np
+
+    plain = {"recipe": recipe, "step": np.float32(3.0), "fc1": functe.init_linear_scaling_state(recipe)}
+    loss2 = lambda w, state, x: functe.ops.fp8_linear(x, w, None, state["fc1"], recipe=state["recipe"]).sum()
+    _, _, new = functe.value_and_grad(loss2)(torch.ones(4, 16), plain, torch.ones(2, 16))
+    assert new["recipe"] is recipe and new["step"] == 3.0 and new["fc1"].input.amax_history[-1] == 1.0
 
 
 # ----------------------------------------------------------------------------- share_state

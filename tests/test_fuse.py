@@ -1006,3 +1006,25 @@ def test_returned_constants_autocast_inference_mode_fill_values_and_new_storage(
     fused4(x)
     w.data = make((8, 8))  # no version change: a new storage
     assert torch.equal(fused4(x), fn(x)) and fused4.trace_count == 2
+
+
+def test_what_a_traced_function_may_still_do():
+    # Refusing draws and writes at trace time must not refuse what runs the same on every call:
+    # dropout that is off, a generator the function seeds itself, writes into tensors it made (also
+    # through torch.from_numpy), and flag setters on captured tensors.
+    import numpy as np
+
+    table = make((4, 8))
+    x = make((4, 8))
+
+    def fn(x):
+        off = torch.nn.functional.dropout(table, p=0.5, training=False)
+        g = torch.Generator().manual_seed(0)
+        noise = torch.randn(4, 8, generator=g)
+        made = torch.from_numpy(np.ones((4, 8), dtype=np.float32))
+        made.mul_(2.0)
+        table.requires_grad_(False)
+        return ops.add_extra_input(x, off + noise + made)
+
+    fused = functe.fuse(fn)
+    assert torch.equal(fused(x), fn(x)) and torch.equal(fused(x), fn(x))
