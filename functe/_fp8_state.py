@@ -94,13 +94,18 @@ def check_linear_state(op: str, state: object, recipe: Recipe) -> LinearScalingS
             f"got {type(state).__name__}"
         )
     for role in ("input", "weight", "grad_output"):
-        s = check_scaling_state(op, f"state.{role}", getattr(state, role))
-        if s.amax_history.shape[-1] != recipe.amax_history_len:
-            raise StateError(
-                f"functe.{op}: argument 'state.{role}.amax_history' expected f32[{recipe.amax_history_len}] "
-                f"(the recipe's amax_history_len), got {describe(s.amax_history)}"
-            )
+        _check_delayed_state(op, f"state.{role}", getattr(state, role), recipe)
     return state
+
+
+def _check_delayed_state(op: str, arg: str, state: object, recipe: DelayedScaling) -> None:
+    """A :class:`ScalingState` (fp32, 0-d scale, 1-d history) whose history is the recipe's length."""
+    check_scaling_state(op, arg, state)
+    if state.amax_history.shape[-1] != recipe.amax_history_len:
+        raise StateError(
+            f"functe.{op}: argument '{arg}.amax_history' expected f32[{recipe.amax_history_len}] "
+            f"(the recipe's amax_history_len), got {describe(state.amax_history)}"
+        )
 
 
 # ----------------------------------------------------------------------------- scale updates
@@ -149,12 +154,7 @@ def delayed_scaling_update(state: ScalingState, amax: Tensor, *, recipe: Delayed
     if not isinstance(recipe, DelayedScaling):
         raise StateError(f"functe.{op}: argument 'recipe' expected a DelayedScaling, got {recipe!r}")
     recipe.dtype(role)  # (an unknown role raises, naming the roles)
-    check_scaling_state(op, "state", state)
-    if state.amax_history.shape[-1] != recipe.amax_history_len:
-        raise StateError(
-            f"functe.{op}: argument 'state.amax_history' expected f32[{recipe.amax_history_len}] (the recipe's "
-            f"amax_history_len), got {describe(state.amax_history)}"
-        )
+    _check_delayed_state(op, "state", state, recipe)
     _check_amax(op, amax, state.amax_history)
     return update_state(state, amax, recipe=recipe, role=role)
 

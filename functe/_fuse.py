@@ -531,13 +531,14 @@ class Plan:
 
     def check_captured(self, variant: _Variant | None) -> None:
         """Before the program runs with grad mode on: raise if a tensor it captured as a constant
-        requires grad now, and, when it runs as one autograd node (``node``), if one an opaque
-        function reaches by name does. The trace refused such tensors, but ``requires_grad_()``
-        after it would make the cached plan drop their gradients silently (inside the node nothing
-        records them; the forward rules of ``infer`` need not be differentiable: a quantizing kernel
-        is not). Unfused, autograd would record them. (An opaque function runs as plain torch in
-        ``infer``, so autograd reaches what it captured; inside the node, an opaque op whose step is
-        live checks in its own backward, as unfused, and only one whose step is not checks here.)
+        requires grad now, and, when it runs as one autograd node (``variant``), if one an opaque
+        function whose backward step does not run reaches by name does. The trace refused such
+        tensors, but ``requires_grad_()`` after it would make the cached plan drop their gradients
+        silently (inside the node nothing records them; the forward rules of ``infer`` need not be
+        differentiable: a quantizing kernel is not). Unfused, autograd would record them. (An opaque
+        function runs as plain torch in ``infer``, so autograd reaches what it captured; inside the
+        node, an opaque op whose step is live checks in its own backward, as unfused, and only one
+        whose step is not checks here.)
         ``variant``: the one running as the node, ``None`` for ``infer``."""
         for t in self._captured:
             if t.requires_grad:
@@ -1031,10 +1032,10 @@ def explain(fn: Callable, *args, rules=None, recipe: Any = None, **kwargs) -> No
           in (c,) }
         residuals kept for the backward plan: linear, constant_scale
     """
-    if not isinstance(fn, Fused):
-        fused = fuse(fn, rules=_check_rules("explain", rules), recipe=_check_fuse_recipe("explain", recipe))
-    else:
+    if isinstance(fn, Fused):
         fused = fn
+    else:
+        fused = Fused(fn, _check_rules("explain", rules), _check_fuse_recipe("explain", recipe))
     print(fused.plan(*args, **kwargs).explain())
 
 

@@ -76,15 +76,21 @@ def _frozen(needs_input_grad: tuple[bool, bool, bool], has_bias: bool) -> bool:
     return not (want_dx and want_dweight and (want_dbias or not has_bias))
 
 
+def prune_covered(index: int, prune, arguments: int, static: tuple[str, ...] = ()):
+    """``prune_residuals`` of a fused op whose residual ``index`` is a covered op's, pruned by that
+    op's own ``prune``: the covered op's arguments are the fused op's first ``arguments``, and
+    ``static`` names the fused op's static params its rule takes. The other ops' residuals are kept."""
+
+    def fused_prune(res, *, needs_input_grad, **params):
+        kept = prune(res[index], needs_input_grad=needs_input_grad[:arguments], **{k: params[k] for k in static})
+        return res if kept is res[index] else (*res[:index], kept, *res[index + 1 :])
+
+    return fused_prune
+
+
 def _prune_linear_at(index: int):
-    """``prune_residuals`` of a fused op whose residual ``index`` is a covered linear's (its first
-    three arguments are the linear's ``x, weight, bias``); the other ops' residuals are kept."""
-
-    def prune(res, *, needs_input_grad, **static):
-        lin = linear_prune(res[index], needs_input_grad=needs_input_grad[:3])
-        return res if lin is res[index] else (*res[:index], lin, *res[index + 1 :])
-
-    return prune
+    """:func:`prune_covered` for a covered linear (``x, weight, bias`` lead the fused op's arguments)."""
+    return prune_covered(index, linear_prune, 3)
 
 
 def _linear_residuals(x: Tensor, weight: Tensor, has_bias: bool):

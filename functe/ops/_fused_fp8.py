@@ -37,7 +37,7 @@ from ..kernels._common import rows_view
 from . import _activation as act
 from . import _fp8_linear as fp8
 from ._core import _bias
-from ._fused import _act_params, q_in_activation_backward, q_in_norm_backward
+from ._fused import _act_params, prune_covered, q_in_activation_backward, q_in_norm_backward
 
 Tensor = torch.Tensor
 
@@ -136,18 +136,13 @@ def _backward_fp8_linear_activation_bwd(res, dy, *, activation, recipe, needs_in
     return dx, dweight, dbias if lin_res[5] else None, state_ct, dbias if len(res) == 3 else None
 
 
-def _prune_backward_fp8_linear_activation(res, *, activation, recipe, needs_input_grad):
-    """fp8_linear's pruning of its residuals (the first); the bias's and activation's are kept."""
-    lin = fp8._prune(res[0], recipe=recipe, needs_input_grad=needs_input_grad[:4])
-    return res if lin is res[0] else (lin, *res[1:])
-
-
 backward_fp8_linear_activation = custom_vjp(
     "backward_fp8_linear_activation",
     _backward_fp8_linear_activation_fwd,
     _backward_fp8_linear_activation_bwd,
     needs_input_grad=True,
-    prune_residuals=_prune_backward_fp8_linear_activation,
+    # (fp8_linear's pruning of its residuals, the first; the bias's and activation's are kept)
+    prune_residuals=prune_covered(0, fp8._prune, 4, static=("recipe",)),
 )
 """``act(fp8_linear(x, weight, bias, state) [+ extra_bias])``; its backward computes
 ``g = dy·act'(z)``, the bias gradient and the quantization of ``g`` with the linear's grad-output
