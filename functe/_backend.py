@@ -21,6 +21,7 @@ import contextlib
 import os
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from ._errors import FuncteError
 
@@ -93,3 +94,13 @@ def runs_triton(device: torch.device) -> bool:
 def interpreting() -> bool:
     """Whether Triton launches must go through the interpreter."""
     return _current == "interpret"
+
+
+def forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad`` dual level is open.
+
+    Ops must then record tangents: the Function route (its ``jvp`` rule), no ``out=`` fast paths
+    (forward AD refuses them) and no donated buffers (an in-place write would also change a dual
+    argument's tangent). ``torch.func.jvp`` is seen separately, through its wrapped tensors.
+    """
+    return _forward_ad._current_level >= 0

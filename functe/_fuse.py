@@ -39,6 +39,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import _trace
 from ._errors import ArgumentError, TraceError, describe
@@ -805,7 +806,10 @@ class Fused:
                 if variant.liveness.live:  # (else no output depends on a trainable input)
                     if plan.checks_captured:
                         plan.check_captured(variant)
-                    return variant.run_op(*tensors) if functorch else variant.eager(*tensors)
+                    # (the eager node has no jvp rule: forward-mode AD takes the custom_vjp op)
+                    if functorch or _forward_ad._current_level >= 0:
+                        return variant.run_op(*tensors)
+                    return variant.eager(*tensors)
         if plan.checks_captured and torch.is_grad_enabled():
             plan.check_captured(None)
         return plan.infer(*tensors)

@@ -40,8 +40,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
-from ._backend import runs_triton
+from ._backend import forward_ad_active, runs_triton
 from ._errors import TransformError
 
 Tensor = torch.Tensor
@@ -121,7 +122,7 @@ class Kernel:
             run, function = self.op, self.function
         elif type(first) is not Tensor or first.device.type != "cpu":
             return self.twin(*args)
-        elif not torch.is_grad_enabled() and not _transforms_active():
+        elif not torch.is_grad_enabled() and not _transforms_active() and not forward_ad_active():
             return self.twin(*args)  # nothing can record (the common path: backward rules, inference)
         else:
             run, function = self.twin, self.twin_function
@@ -134,6 +135,7 @@ class Kernel:
                 run is self.twin
                 and not (self.fast_path or self.quantizes)  # (a quantizing kernel's jvp must refuse)
                 and first.numel() < TWIN_FUNCTION_MIN_ELEMENTS
+                and not forward_ad_active()  # (twins use out= functions, which forward AD refuses)
             ):
                 return run(*args)  # recorded as it runs: cheaper than a Function at this size, same bits
             return function.apply(*args)
@@ -145,6 +147,8 @@ class Kernel:
 
 def _needs_autograd(args: Sequence[Any]) -> bool:
     """Whether a launch must be recorded: a tensor argument requires grad or is a torch.func wrapper."""
+    if forward_ad_active():
+        return True
     grad = torch.is_grad_enabled()
     for a in args:
         if isinstance(a, Tensor) and ((grad and a.requires_grad) or _is_wrapped(a)):
@@ -231,7 +235,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
                 "not supported: an FP8 or block-scaled op is differentiated straight-through in reverse mode only "
                 "(use torch.func.vjp / jacrev)"
             )
-        return torch.func.jvp(twin_of, primals, tans)[1]
+        return forward_tangents(twin_of, primals, tans)
 
     def vmap(info, in_dims, *args):
         rule = kernel.batch
@@ -257,6 +261,26 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     }
     suffix = "kernel" if run is kernel.op else "twin"
     return type(f"{kernel.name}_{suffix}", (torch.autograd.Function,), methods)
+
+
+def forward_tangents(fn: Callable, primals: tuple, tangents: tuple) -> Any:
+    """The output tangents of ``fn`` at ``primals`` (what a Function's ``jvp`` rule returns).
+
+    Under ``torch.func`` a nested ``torch.func.jvp`` is the right tool. Under plain
+    ``torch.autograd.forward_ad`` it is not: a ``dual_level`` cannot nest ("Nested forward mode AD
+    is not supported"), and autograd calls ``jvp`` with forward grad mode off. There the primals are
+    made dual at the level already open, with forward grad mode on for this computation only.
+    """
+    if not forward_ad_active() or _transforms_active():
+        return torch.func.jvp(fn, primals, tangents)[1]
+    level = _forward_ad._current_level
+    with _forward_ad._set_fwd_grad_enabled(True), torch.no_grad():
+        duals = [_forward_ad.make_dual(p.detach(), t, level=level) for p, t in zip(primals, tangents)]
+        out = fn(*duals)
+        # (unpacked inside: with forward grad mode off a dual reads as having no tangent)
+        unpacked = [_forward_ad.unpack_dual(o, level=level) for o in (out if isinstance(out, tuple) else (out,))]
+    tans = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
+    return tans if isinstance(out, tuple) else tans[0]
 
 
 def dense(t: Tensor) -> Tensor:

@@ -34,8 +34,9 @@ style (``forward`` without ctx, plus ``setup_context``), which is the only style
 * **vmap** is explicit: the default batching rule runs the *forward rule* under
   ``torch.vmap``, so an op batches exactly as the ops and kernels it is made of
   (each with its own rule). ``batching=None`` makes ``vmap`` raise a clear error.
-* **jvp** (forward mode, ``jacfwd``) is the ``torch.func.jvp`` of the forward
-  rule, so it is exact whenever the forward rule is differentiable.
+* **jvp** (forward mode, ``jacfwd``, ``torch.autograd.forward_ad``) differentiates
+  the forward rule in forward mode (:func:`functe._kernel.forward_tangents`), so
+  it is exact whenever the forward rule is differentiable.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from ._errors import ArgumentError, RuleError, TransformError, describe, describe_shape
-from ._kernel import dense
+from ._kernel import dense, forward_tangents
 from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 
 Tensor = torch.Tensor
@@ -572,7 +573,7 @@ def _make_function(
             for k in diff
         )
         try:
-            _, out_tangents = torch.func.jvp(out_only, tuple(dense(primals[k]) for k in diff), tans)
+            out_tangents = forward_tangents(out_only, tuple(dense(primals[k]) for k in diff), tans)
         except TransformError as error:  # (a kernel's refusal: say which op the user called)
             if str(error).startswith(f"functe.{name}:"):
                 raise

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import functe
@@ -164,6 +165,7 @@ def _check_transforms(fn: Callable, ref: Callable, args: Sequence[torch.Tensor],
     _same(jacrev(fn, argnums=argnums)(*args), jacrev(ref, argnums=argnums)(*args), "jacrev")
     tangents = tuple(torch.randn_like(a) for a in args)
     _same(jvp(fn, args, tangents)[1], jvp(ref, args, tangents)[1], "jvp")
+    _same(forward_ad_tangents(fn, args, tangents), jvp(ref, args, tangents)[1], "forward_ad")
     _same(jacfwd(fn, argnums=argnums)(*args), jacfwd(ref, argnums=argnums)(*args), "jacfwd")
     if higher_order:
 
@@ -171,6 +173,20 @@ def _check_transforms(fn: Callable, ref: Callable, args: Sequence[torch.Tensor],
             return lambda *a: sum(t.sum() for t in grad(_loss(f), argnums=argnums)(*a))
 
         _same(grad(gsum(fn), argnums=argnums)(*args), grad(gsum(ref), argnums=argnums)(*args), "grad(grad)")
+
+
+def forward_ad_tangents(fn: Callable, args: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor]):
+    """``fn``'s output tangents through ``torch.autograd.forward_ad`` (not torch.func), with the
+    primals requiring grad as in a training step; the backward through the duals must run too."""
+    leaves = [a.detach().requires_grad_() for a in args]
+    with fwAD.dual_level():
+        out = fn(*(fwAD.make_dual(a, t) for a, t in zip(leaves, tangents)))
+        outs = out if isinstance(out, tuple) else (out,)
+        unpacked = [fwAD.unpack_dual(o) for o in outs]
+        tans = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
+        grads = torch.autograd.grad(sum(u.primal.sum() for u in unpacked), leaves, allow_unused=True)
+    assert any(g is not None for g in grads), "forward_ad: the backward through the duals reached no input"
+    return tans if isinstance(out, tuple) else tans[0]
 
 
 def gradchecks(fn: Callable, args: Sequence[torch.Tensor], *, second_order: bool = True):
@@ -182,7 +198,7 @@ def gradchecks(fn: Callable, args: Sequence[torch.Tensor], *, second_order: bool
     """
     args = tuple(a.detach().to(F64).requires_grad_() for a in args)
     fast = functe.get_backend() == "interpret"
-    assert torch.autograd.gradcheck(fn, args, fast_mode=fast)
+    assert torch.autograd.gradcheck(fn, args, fast_mode=fast, check_forward_ad=True)
     if second_order:
         assert torch.autograd.gradgradcheck(fn, args, fast_mode=fast)
 

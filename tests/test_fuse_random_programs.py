@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,6 +199,16 @@ def test_fused_random_programs_match_unfused(program, seed, dtype):
 
     batch = torch.stack([x, -2 * x])
     check(torch.func.vmap(lambda x: fused(x, ps))(batch), torch.func.vmap(lambda x: fn(x, ps))(batch), "vmap")
+
+    # plain forward-mode AD (not torch.func) in a training step: inputs that require grad
+    gen = torch.Generator().manual_seed(seed + 2)
+    tangents = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(dtype) for t in (x, *ps)]
+    _, want = torch.func.jvp(lambda x, *ps: tuple(fn(x, list(ps))), (x, *ps), tuple(tangents))
+    with fwAD.dual_level():
+        leaves = [t.clone().requires_grad_() for t in (x, *ps)]
+        duals = [fwAD.make_dual(t, d) for t, d in zip(leaves, tangents)]
+        got = [fwAD.unpack_dual(o).tangent for o in fused(duals[0], duals[1:])]
+    check(got, want, "forward_ad")
 
 
 @settings(max_examples=30, deadline=None)

@@ -199,6 +199,30 @@ def test_jvp_and_jacfwd_follow_the_forward_rule():
     assert_close(jacfwd(xmean)(x), jacfwd(lambda x: x * x.mean())(x))
 
 
+@pytest.mark.parametrize("backend", ["torch", "interpret"])
+def test_plain_forward_ad_matches_torch_func_jvp_in_a_training_step(backend):
+    # torch.autograd.forward_ad (not torch.func) with inputs that require grad, as a training step
+    # mixing forward and reverse mode has them: a rule's jvp cannot open its own dual level there.
+    x, w, b, e = (torch.randn(*s, dtype=F64) for s in ((5, 8), (6, 8), (6,), (5, 6)))
+
+    def step(x, w, b, e):
+        return ops.add_extra_input(ops.gelu(ops.linear(x, w, b)), e * 1.0, in_place=True) * 2.0
+
+    tangents = tuple(torch.randn_like(a) for a in (x, w, b, e))
+    expected = jvp(step, (x, w, b, e), tangents)[1]
+    for fn in (step, functe.fuse(step)):
+        leaves = [a.clone().requires_grad_() for a in (x, w, b, e)]
+        with functe.use_backend(backend), torch.autograd.forward_ad.dual_level():
+            duals = [torch.autograd.forward_ad.make_dual(a, t) for a, t in zip(leaves, tangents)]
+            primal, tangent = torch.autograd.forward_ad.unpack_dual(fn(*duals))
+            grads = torch.autograd.grad(primal.sum(), leaves)
+            # (no op writes into an argument: the caller's duals keep their tangents)
+            for dual, t in zip(duals, tangents):
+                assert torch.equal(torch.autograd.forward_ad.unpack_dual(dual).tangent, t)
+        assert_close(tangent, expected)
+        assert_close(grads[0], grad(lambda x: step(x, w, b, e).sum())(x))
+
+
 def test_symbolic_zeros_pass_none_for_unused_outputs():
     seen = []
 

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .._backend import forward_ad_active
+
 Tensor = torch.Tensor
 
 CHUNK_ELEMENTS = 1 << 17
@@ -39,7 +41,7 @@ def eager_cpu(*tensors: Tensor | None) -> bool:
     True for plain CPU tensors (not fake, not ``torch.func`` wrappers) that
     autograd does not record, outside ``torch.compile``.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or forward_ad_active():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
