@@ -97,10 +97,28 @@ def interpreting() -> bool:
 
 
 def forward_ad_active() -> bool:
-    """Whether a ``torch.autograd.forward_ad`` dual level is open.
-
-    Ops must then record tangents: the Function route (its ``jvp`` rule), no ``out=`` fast paths
-    (forward AD refuses them) and no donated buffers (an in-place write would also change a dual
-    argument's tangent). ``torch.func.jvp`` is seen separately, through its wrapped tensors.
-    """
+    """Whether a ``torch.autograd.forward_ad`` dual level is open (a cheap first test; see
+    :func:`any_tangent` for whether a tensor is actually dual)."""
     return _forward_ad._current_level >= 0
+
+
+def any_tangent(tensors) -> bool:
+    """Whether one of ``tensors`` carries a tangent at the open ``torch.autograd.forward_ad`` level.
+
+    An op given one must record it: the Function route (its ``jvp`` rule), no ``out=`` fast paths
+    (forward AD refuses them) and no donated buffers (an in-place write would also change a dual
+    argument's tangent). False with no level open or with forward grad mode off (inside a
+    Function's ``forward`` nothing is dual), so those paths keep their bits. ``torch.func.jvp``
+    is seen separately, through its wrapped tensors.
+    """
+    level = _forward_ad._current_level
+    if level < 0 or not torch._C._is_fwd_grad_enabled():
+        return False
+    return any(
+        isinstance(t, torch.Tensor) and not _is_wrapped(t) and _unpack_dual(t, level=level)[1] is not None
+        for t in tensors
+    )
+
+
+_unpack_dual = torch._VF._unpack_dual
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # (torch.func's own duals: not read here)

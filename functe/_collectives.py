@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from ._backend import forward_ad_active
+from ._backend import any_tangent
 from ._errors import ArgumentError, DistributedError, DTypeError, ShapeError, check_flag, describe, dtype_name
 
 Tensor = torch.Tensor
@@ -253,7 +253,7 @@ def _execute(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) ->
 
 
 def _needs_function(x: Tensor) -> bool:
-    if forward_ad_active() or (torch.is_grad_enabled() and x.requires_grad):
+    if (torch.is_grad_enabled() and x.requires_grad) or any_tangent((x,)):
         return True
     return torch._C._functorch.is_functorch_wrapped_tensor(x)
 

@@ -81,6 +81,10 @@ def gemm_nt(
             y = y + bias.to(y.dtype)
         return y.to(out_dtype)
     scale = a_scale_inv * b_scale_inv
+    # In the scale's fp32, then one rounding: a 16-bit y times a 0-d fp32 scale rounds once at the
+    # fp32 value, but under vmap the scale is batched (not 0-d) and type promotion would differ
+    # from the per-member call (1 bf16 ulp, then a different FP8 cast of dy).
+    y = y.to(scale.dtype)
     if bias is None:
         return (y * scale).to(out_dtype)
     return torch.addcmul(bias.to(y.dtype), y, scale).to(out_dtype)

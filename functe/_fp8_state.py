@@ -294,7 +294,7 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
         new, uses = _next_state(old, ct)
         new_leaves.append(new)
         if uses is not None:
-            counts.append(uses.reshape(-1))
+            counts.append(uses.reshape(uses.numel()))  # (not -1: ambiguous for an empty vmapped batch)
             names.append(_keystr(path))
     if check and counts and not any(torch._C._functorch.is_functorch_wrapped_tensor(c) for c in counts):
         _check_counts(counts, names)

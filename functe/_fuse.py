@@ -39,12 +39,13 @@ from typing import Any
 
 import optree
 import torch
-from torch.autograd import forward_ad as _forward_ad
 
 from . import _trace
+from ._backend import any_tangent
 from ._errors import ArgumentError, TraceError, describe
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._recipe import check_recipe
+from ._rng import RandomState
 from ._trace import trace_call, vjp_call
 from ._tree import is_pytree_dataclass, rebuild_dataclass, tree_flatten, tree_leaves, tree_unflatten
 from ._vjp import (
@@ -626,7 +627,10 @@ class _Variant:
         )
         # symbolic zeros: an output nobody uses has no cotangent, and the backward plan skips the
         # steps that only it reaches (as autograd skips the unfused nodes; an FP8 state is kept).
-        self.op = custom_vjp(f"fused_{name}", namespace["forward"], namespace["bwd"], symbolic_zeros=True)
+        forward, bwd = namespace["forward"], namespace["bwd"]
+        if plan._opaque_eqns:
+            forward, bwd = _replaying(forward, bwd)
+        self.op = custom_vjp(f"fused_{name}", forward, bwd, symbolic_zeros=True)
         # per output leaf: whether no input that wants a gradient reaches it
         constant = tuple(not (isinstance(a, Var) and a in self.liveness.needs) for a in program.outputs)
         eager = _eager_function(
@@ -640,6 +644,22 @@ class _Variant:
     def run_op(self, *tensors):
         """The custom_vjp op on these tensors, constants put back (torch.func and compiled calls)."""
         return self.with_constants(self.op(*tensors))
+
+
+def _replaying(forward: Callable, bwd: Callable) -> tuple[Callable, Callable]:
+    """A fused op's rules keeping the generators' states its forward started from (a residual
+    constant): its ``jvp`` reruns the forward plan, and an opaque random function in it (dropout)
+    must draw again what it drew (custom_vjp's jvp restores the earliest such state)."""
+
+    def forward_from_state(*tensors):
+        state = RandomState(tensors)
+        out, res = forward(*tensors)
+        return out, (state, res)
+
+    def bwd_from_state(res, cts):
+        return bwd(res[1], cts)
+
+    return forward_from_state, bwd_from_state
 
 
 _SAVED = object()  # marks a residual leaf kept with save_for_backward
@@ -795,19 +815,20 @@ class Fused:
         plan = self._plans[index]
         if plan.differentiable and torch.is_grad_enabled():
             needs = tuple(t.requires_grad for t in tensors)
+            # Only the inputs that want gradients keep their backward steps' residuals (autograd
+            # records only what reaches them): under torch.func also every transform wrapper (a
+            # vmapped argument shows no requires_grad but may carry an outer grad level's tracking:
+            # grad(vmap(f)) must record the node, not differentiate infer's forward rules).
+            functorch = torch._C._functorch.maybe_current_level() is not None
+            if functorch:
+                needs = tuple(n or _is_wrapped(t) for n, t in zip(needs, tensors))
             if any(needs):
-                # Only the inputs that want gradients keep their backward steps' residuals (autograd
-                # records only what reaches them): under torch.func also every transform wrapper (a
-                # vmapped argument may carry an outer grad level's tracking).
-                functorch = torch._C._functorch.maybe_current_level() is not None
-                if functorch:
-                    needs = tuple(n or _is_wrapped(t) for n, t in zip(needs, tensors))
                 variant = plan.variant(None if all(needs) else needs)
                 if variant.liveness.live:  # (else no output depends on a trainable input)
                     if plan.checks_captured:
                         plan.check_captured(variant)
                     # (the eager node has no jvp rule: forward-mode AD takes the custom_vjp op)
-                    if functorch or _forward_ad._current_level >= 0:
+                    if functorch or any_tangent(tensors):
                         return variant.run_op(*tensors)
                     return variant.eager(*tensors)
         if plan.checks_captured and torch.is_grad_enabled():

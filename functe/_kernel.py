@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from ._backend import forward_ad_active, runs_triton
+from ._backend import any_tangent, forward_ad_active, runs_triton
 from ._errors import TransformError
 
 Tensor = torch.Tensor
@@ -135,7 +135,7 @@ class Kernel:
                 run is self.twin
                 and not (self.fast_path or self.quantizes)  # (a quantizing kernel's jvp must refuse)
                 and first.numel() < TWIN_FUNCTION_MIN_ELEMENTS
-                and not forward_ad_active()  # (twins use out= functions, which forward AD refuses)
+                and not any_tangent(args)  # (twins use out= functions, which forward AD refuses)
             ):
                 return run(*args)  # recorded as it runs: cheaper than a Function at this size, same bits
             return function.apply(*args)
@@ -147,7 +147,7 @@ class Kernel:
 
 def _needs_autograd(args: Sequence[Any]) -> bool:
     """Whether a launch must be recorded: a tensor argument requires grad or is a torch.func wrapper."""
-    if forward_ad_active():
+    if any_tangent(args):
         return True
     grad = torch.is_grad_enabled()
     for a in args:
@@ -195,6 +195,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
         ctx.save_for_backward(*tensors)
         ctx.save_for_forward(*tensors)
         ctx.set_materialize_grads(False)
+        ctx.out_strides = output_strides(outs)
 
     def saved_args(ctx):
         return _with(ctx.others, ctx.positions, ctx.saved_tensors)
@@ -220,7 +221,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     def jvp(ctx, *tangents):
         args = saved_args(ctx)
         diff = _float_positions(args)
-        primals = tuple(dense(args[i]) for i in diff)
+        primals = tuple(args[i] for i in diff)
         tans = tuple(torch.zeros_like(p) if tangents[i] is None else tangents[i] for i, p in zip(diff, primals))
 
         def twin_of(*values):
@@ -235,7 +236,12 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
                 "not supported: an FP8 or block-scaled op is differentiated straight-through in reverse mode only "
                 "(use torch.func.vjp / jacrev)"
             )
-        return forward_tangents(twin_of, primals, tans)
+        out = forward_tangents(twin_of, primals, tans)
+        if ctx.out_strides is None:
+            return out
+        if isinstance(out, tuple):
+            return tuple(with_layout(t, s) for t, s in zip(out, ctx.out_strides))
+        return with_layout(out, ctx.out_strides[0])
 
     def vmap(info, in_dims, *args):
         rule = kernel.batch
@@ -269,18 +275,41 @@ def forward_tangents(fn: Callable, primals: tuple, tangents: tuple) -> Any:
     Under ``torch.func`` a nested ``torch.func.jvp`` is the right tool. Under plain
     ``torch.autograd.forward_ad`` it is not: a ``dual_level`` cannot nest ("Nested forward mode AD
     is not supported"), and autograd calls ``jvp`` with forward grad mode off. There the primals are
-    made dual at the level already open, with forward grad mode on for this computation only.
+    made dual at the level already open, with forward grad mode on for this computation only, and
+    grad mode as autograd left it: a loss that uses the tangent (a Jacobian penalty) is
+    differentiated through this computation, as through torch's own forward-mode formulas.
     """
     if not forward_ad_active() or _transforms_active():
-        return torch.func.jvp(fn, primals, tangents)[1]
+        return torch.func.jvp(fn, tuple(dense(p) for p in primals), tangents)[1]
     level = _forward_ad._current_level
-    with _forward_ad._set_fwd_grad_enabled(True), torch.no_grad():
-        duals = [_forward_ad.make_dual(p.detach(), t, level=level) for p, t in zip(primals, tangents)]
+    with _forward_ad._set_fwd_grad_enabled(True):
+        primals = [_forward_ad.unpack_dual(p, level=level).primal for p in primals]
+        # (an overlapping primal, an expanded cotangent, is copied unless its tangent has its very
+        # layout: then it stays, and an output that is a view of it gets a view of that tangent)
+        primals = [p if p.stride() == t.stride() else dense(p) for p, t in zip(primals, tangents)]
+        duals = [_forward_ad.make_dual(p, t, level=level) for p, t in zip(primals, tangents)]
         out = fn(*duals)
         # (unpacked inside: with forward grad mode off a dual reads as having no tangent)
         unpacked = [_forward_ad.unpack_dual(o, level=level) for o in (out if isinstance(out, tuple) else (out,))]
     tans = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
     return tans if isinstance(out, tuple) else tans[0]
+
+
+def output_strides(outputs) -> list | None:
+    """Each tensor output's strides while a forward-mode level is open (``None`` otherwise): a
+    ``jvp`` rule's tangents must take them (see :func:`with_layout`)."""
+    if not forward_ad_active():
+        return None
+    return [o.stride() if isinstance(o, Tensor) else None for o in outputs]
+
+
+def with_layout(tangent: Tensor, stride) -> Tensor:
+    """``tangent`` with its output's strides: autograd asserts that an output which is a view (a
+    launcher's ``y.view(x.shape)``) gets a tangent of its own layout, and a tangent computed
+    through the twin follows the twin's layout (a transposed input's, say)."""
+    if stride is None or tangent.stride() == stride or 0 in stride:
+        return tangent
+    return torch.empty_strided(tangent.shape, stride, dtype=tangent.dtype, device=tangent.device).copy_(tangent)
 
 
 def dense(t: Tensor) -> Tensor:

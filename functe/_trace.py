@@ -37,11 +37,13 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd import forward_ad
 
 from . import _vjp
-from ._backend import use_backend
+from ._backend import any_tangent, forward_ad_active, use_backend
 from ._errors import ArgumentError, FuncteError, RuleError, TraceError, describe
 from ._oplist import Eqn, Literal, OpList, Var
+from ._rng import RandomState
 from ._tree import tree_flatten, tree_unflatten
 from ._vjp import CustomVJP, custom_vjp
 
@@ -208,8 +210,8 @@ def _atom(op_name: str, leaf: Any, trace: _Trace):
         if constant is None:
             raise TraceError(
                 f"functe.{op_name}: a tensor {describe(leaf)} captured from the enclosing scope requires "
-                "gradients (or is being transformed); pass it to the traced function as an argument, "
-                "otherwise its gradient would be silently lost"
+                "gradients (or carries a forward-mode tangent, or is being transformed); pass it to the traced "
+                "function as an argument, otherwise its gradient would be silently lost"
             )
         return Literal(constant)
     return Literal(leaf)
@@ -228,7 +230,8 @@ def _untracked_constant(t: Tensor) -> Tensor | None:
         if not f.is_gradtrackingtensor(t) or t.requires_grad:
             return None
         t = f.get_unwrapped(t)
-    return None if t.requires_grad else t
+    # (a forward-mode dual, too: inside the fused node its tangent would be lost)
+    return None if t.requires_grad or any_tangent((t,)) else t
 
 
 def _meta(atom) -> Any:
@@ -550,7 +553,9 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"
 
         def fwd(*args, **static):
-            rng = _RandomState(args)  # (before fn draws: the backward replays the same draws)
+            if forward_ad_active():
+                _refuse_captured_tangents(fn, label)
+            rng = RandomState(args)  # (before fn draws: the backward replays the same draws)
             return fn(*args, **static), (args, rng)
 
         def bwd(res, ct, **static):
@@ -563,44 +568,6 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         # (functe.fuse checks the function's captured state per call: see Plan.check_captured)
         op.opaque_check = functools.partial(_refuse_captured_grads, fn, label)
     return op
-
-
-class _RandomState:
-    """The random number generators' states an opaque op's forward started from (CPU, and each CUDA
-    device among its arguments), restored while its backward recomputes the forward, as
-    ``torch.utils.checkpoint`` does: a random function (dropout) gets the gradient of the very draw
-    its forward made. Not a tensor, so a constant residual (the op keeps exact second order).
-
-    While a CUDA graph is being captured the CUDA generators' states cannot be read (torch refuses),
-    so they are neither saved nor restored there: a deterministic opaque function captures as before,
-    a random one replays only its CPU draws.
-    """
-
-    __slots__ = ("cpu", "cuda")
-
-    def __init__(self, args: tuple):
-        self.cpu = torch.get_rng_state()
-        self.cuda = {}
-        if not torch.cuda.is_initialized():  # (no CUDA tensor can exist: skip the walk)
-            return
-        devices = {t.device.index for t in tree_flatten(args)[0] if isinstance(t, Tensor) and t.device.type == "cuda"}
-        if devices and not torch.cuda.is_current_stream_capturing():
-            self.cuda = {index: torch.cuda.get_rng_state(index) for index in devices}
-
-    @contextlib.contextmanager
-    def restored(self):
-        # (by hand, not torch.random.fork_rng: that costs ~25 us per backward in warnings and device logic)
-        cuda = self.cuda if self.cuda and not torch.cuda.is_current_stream_capturing() else {}
-        now_cpu, now_cuda = torch.get_rng_state(), {index: torch.cuda.get_rng_state(index) for index in cuda}
-        torch.set_rng_state(self.cpu)
-        for index, state in cuda.items():
-            torch.cuda.set_rng_state(state, index)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(now_cpu)
-            for index, state in now_cuda.items():
-                torch.cuda.set_rng_state(state, index)
 
 
 def _refuse_captured_grads(fn: Callable, label: str) -> None:
@@ -619,6 +586,21 @@ def _refuse_captured_grads(fn: Callable, label: str) -> None:
                 "that requires grad without taking it as an argument; the opaque op differentiates its "
                 "arguments only, so that gradient would be lost: pass it as an argument"
             )
+
+
+def _refuse_captured_tangents(fn: Callable, label: str) -> None:
+    """Raise if ``fn`` reaches by name a tensor with a forward-mode tangent: when the op runs as an
+    autograd node whose arguments carry none, autograd never calls its ``jvp`` rule, and that
+    tangent would be lost. (Read with forward grad mode on: inside a Function's forward it is off,
+    and every dual reads as plain.)"""
+    with forward_ad._set_fwd_grad_enabled(True):
+        for v in _named_values(fn):
+            if isinstance(v, Tensor) and any_tangent((v,)):
+                raise ArgumentError(
+                    f"functe.{label}: the function uses {describe(v)}, which carries a forward-mode tangent, "
+                    "without taking it as an argument; the opaque op's jvp rule sees its arguments only, so "
+                    "that tangent would be lost: pass it as an argument"
+                )
 
 
 def _cell_filled(cell) -> bool:

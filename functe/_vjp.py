@@ -31,9 +31,12 @@ style (``forward`` without ctx, plus ``setup_context``), which is the only style
 * **Kernels launch only in forward.** Backward rules call ops and kernels
   (:class:`functe._kernel.Kernel`), which are Functions themselves, so
   ``torch.func.grad`` (whose backward sees wrapped tensors) works.
-* **vmap** is explicit: the default batching rule runs the *forward rule* under
-  ``torch.vmap``, so an op batches exactly as the ops and kernels it is made of
-  (each with its own rule). ``batching=None`` makes ``vmap`` raise a clear error.
+* **vmap** is explicit: the default batching rule calls the op's *batched twin*, a
+  custom_vjp op whose rules are the op's forward and backward rules under
+  ``torch.vmap`` (with the caller's ``randomness``), so an op batches exactly as the
+  ops and kernels it is made of, and a gradient taken outside the vmap
+  (``grad(vmap(f))``) still runs the op's backward rule (:class:`_Batch`).
+  ``batching=None`` makes ``vmap`` raise a clear error.
 * **jvp** (forward mode, ``jacfwd``, ``torch.autograd.forward_ad``) differentiates
   the forward rule in forward mode (:func:`functe._kernel.forward_tangents`), so
   it is exact whenever the forward rule is differentiable.
@@ -41,15 +44,17 @@ style (``forward`` without ctx, plus ``setup_context``), which is the only style
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd import forward_ad as _forward_ad
 
+from ._backend import any_tangent
 from ._errors import ArgumentError, RuleError, TransformError, describe, describe_shape
-from ._kernel import dense, forward_tangents
+from ._kernel import forward_tangents, output_strides, with_layout
+from ._rng import RandomState
 from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 
 Tensor = torch.Tensor
@@ -354,20 +359,20 @@ def _call_mode(leaves) -> str:
     ``_COMPILED`` while Dynamo traces (the Function without ``jvp``); ``_FUNCTION`` (the Python
     ``Function.apply``) under a ``torch.func`` transform or with a (dead) functorch wrapper among the
     arguments; ``_EAGER`` (the C ``apply``) when autograd records, through grad mode and an input
-    requiring grad or through a forward-mode dual level; else ``_FORWARD_ONLY``.
+    requiring grad or through an input with a forward-mode tangent; else ``_FORWARD_ONLY``.
     """
     if torch.compiler.is_compiling():
         return _COMPILED
     if torch._C._are_functorch_transforms_active():
         return _FUNCTION
     grad = torch.is_grad_enabled()
-    records = _forward_ad._current_level >= 0
+    records = False
     for leaf in leaves:
         if isinstance(leaf, Tensor):
             if _is_wrapped(leaf):
                 return _FUNCTION
             records = records or (grad and leaf.requires_grad)
-    return _EAGER if records else _FORWARD_ONLY
+    return _EAGER if records or any_tangent(leaves) else _FORWARD_ONLY
 
 
 class _HigherOrderGuard(torch.autograd.Function):
@@ -479,6 +484,99 @@ _ARGUMENT_SIZES: dict[PyTreeSpec, tuple[int, ...] | None] = {}
 _UNKNOWN = object()
 
 
+class _Batch:
+    """One batched call of an op (its vmap rule's arguments), the static argument of its batched twin.
+
+    The twin is itself a custom_vjp op whose forward rule runs the op's forward rule under
+    ``torch.vmap`` and whose backward rule runs the op's backward rule under ``torch.vmap``. The vmap
+    rule calls the twin instead of vmapping the forward rule directly, so that a gradient taken
+    *outside* the vmap (``grad(vmap(f))``, ``jacrev(vmap(f))``, a vmapped forward then
+    ``.backward()``) records the op's backward rule, as it does inside (``vmap(grad(f))``): running
+    the vmapped forward rule bare would let the outer level differentiate its torch ops instead
+    (silently wrong for a straight-through rule, and an FP8 cast refused to be differentiated).
+    """
+
+    __slots__ = (
+        "bwd",
+        "call",
+        "dims",
+        "fwd",
+        "layout",
+        "leaves",
+        "name",
+        "needs",
+        "none_outputs",
+        "positions",
+        "random",
+    )
+
+    def __init__(self, name, fwd, bwd, call, leaves, positions, dims, randomness, needs_input_grad):
+        self.name, self.fwd, self.bwd, self.call = name, fwd, bwd, call
+        self.leaves = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+        self.positions = positions
+        self.dims = tuple(None if d is None else 0 for d in dims)  # (batched tensors arrive moved to dim 0)
+        self.random = randomness
+        self.needs = needs_input_grad
+        self.layout: _Layout | None = None  # (set by the forward: the unbatched op's output layout)
+        self.none_outputs: list[bool] = []
+
+    def full(self, tensors) -> list:
+        leaves = list(self.leaves)
+        for i, t in zip(self.positions, tensors):
+            leaves[i] = t
+        return leaves
+
+
+def _batched_fwd(*tensors, batch: _Batch):
+    def member(*ts):
+        out_leaves, new, layout = _run_forward(batch.name, batch.fwd, batch.call, batch.full(ts))
+        batch.layout, batch.none_outputs = layout, [o is None for o in out_leaves]
+        return (*(o for o in out_leaves if o is not None), *new)
+
+    flat = torch.vmap(member, in_dims=batch.dims, out_dims=0, randomness=batch.random)(*tensors)
+    # residuals: the batched inputs and outputs themselves (the member layout says which is which)
+    return flat, (tensors, flat)
+
+
+def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
+    tensors, flat = res
+    layout = batch.layout
+    n_out = len(flat) - layout.n_new
+    wanted = [False] * len(batch.leaves)
+    for i, flag in zip(batch.positions, needs_input_grad):
+        wanted[i] = flag
+    returned: list[int] = []
+
+    def member(ts, outs, new, out_cts):
+        leaves = batch.full(ts)
+        it, ct_it = iter(outs), iter(out_cts)
+        out_leaves, ct_leaves = [], []
+        for is_none in batch.none_outputs:
+            out_leaves.append(None if is_none else next(it))
+            ct_leaves.append(None if is_none else next(ct_it))
+        sources = {_IN: leaves, _OUT: out_leaves, _NEW: new}
+        res_leaves = [value if kind == _CONST else sources[kind][value] for kind, value in layout.plan]
+        residuals = tree_unflatten(layout.res_tree, res_leaves)
+        extra = {"needs_input_grad": argument_needs(wanted, batch.call.in_tree)} if batch.needs else {}
+        grads = batch.bwd(residuals, tree_unflatten(layout.out_tree, ct_leaves), **extra, **batch.call.static)
+        in_meta = [(t.shape, t.dtype) if isinstance(t, Tensor) else None for t in leaves]
+        flat_grads = _flatten_cotangents(batch.name, batch.call, grads, in_meta)
+        returned[:] = [k for k, i in enumerate(batch.positions) if isinstance(flat_grads[i], Tensor)]
+        return tuple(flat_grads[batch.positions[k]] for k in returned)
+
+    out_cts = tuple(cts[:n_out])
+    grads = torch.vmap(member, in_dims=(batch.dims, 0, 0, 0), out_dims=0, randomness=batch.random)(
+        tuple(tensors), tuple(flat[:n_out]), tuple(flat[n_out:]), out_cts
+    )
+    result = [None] * len(tensors)
+    for k, g in zip(returned, grads):
+        # (an unbatched input gets the sum of the members' cotangents)
+        result[k] = g.sum(0) if batch.dims[k] is None else g
+    if layout.n_new and torch.is_grad_enabled():  # (its backward uses intermediates: see _guard)
+        result = _guard(batch.name, result, flat[-1])
+    return tuple(result)
+
+
 def _make_function(
     name: str,
     fwd: Callable,
@@ -534,6 +632,8 @@ def _make_function(
                 consts[i] = t
         ctx.in_meta, ctx.consts = in_meta, consts
         ctx.out_meta = [(t.shape, t.dtype, t.device) if isinstance(t, Tensor) else None for t in outs]
+        if forward_mode:
+            ctx.out_strides = output_strides(outs)
 
     def backward(ctx, *grads):
         call, layout = ctx.call, ctx.layout
@@ -572,41 +672,41 @@ def _make_function(
             torch.zeros_like(primals[k]) if tangents[1 + positions[k]] is None else tangents[1 + positions[k]]
             for k in diff
         )
+        # A random forward rule (an opaque dropout) reruns from the generators' states its forward
+        # started from, so the tangent is that of the same draw (the first such state: the earliest).
+        replay = next((v for kind, v in layout.plan if kind == _CONST and isinstance(v, RandomState)), None)
         try:
-            out_tangents = forward_tangents(out_only, tuple(dense(primals[k]) for k in diff), tans)
+            with contextlib.nullcontext() if replay is None else replay.restored():
+                out_tangents = forward_tangents(out_only, tuple(primals[k] for k in diff), tans)
         except TransformError as error:  # (a kernel's refusal: say which op the user called)
             if str(error).startswith(f"functe.{name}:"):
                 raise
             raise TransformError(f"functe.{name}: {error}") from None
         it = iter(out_tangents)
         result = [None if meta is None else next(it) for meta in ctx.out_meta]
+        if ctx.out_strides is not None:
+            result = [t if t is None else with_layout(t, s) for t, s in zip(result, ctx.out_strides)]
         if not layout.n_new:
             return (*result, None)
         # (the anchor is differentiable, and torch's forward AD asserts on a None tangent for it)
         return (*result, *([None] * (layout.n_new - 1)), torch.zeros(0, device=ctx.anchor_device), None)
 
+    batched: list[CustomVJP] = []  # this op's batched twin, made on first use (see _Batch)
+
     def vmap(info, in_dims, call, *leaves):
         if batching is None:
             raise TransformError(f"functe.{name} has no batching rule: it cannot be used under torch.func.vmap")
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
-        captured = {}
-
-        def batched_forward(*tensors):
-            full = list(leaves)
-            for i, t in zip(positions, tensors):
-                full[i] = t
-            out_leaves, new, layout = _run_forward(name, fwd, call, full)
-            captured["layout"] = layout
-            captured["none_outputs"] = [o is None for o in out_leaves]
-            return (*(o for o in out_leaves if o is not None), *new)
-
-        dims = tuple(in_dims[1 + i] for i in positions)
-        flat = torch.vmap(batched_forward, in_dims=dims, out_dims=0)(*(leaves[i] for i in positions))
-        layout, none_outputs = captured["layout"], captured["none_outputs"]
+        dims = [in_dims[1 + i] for i in positions]
+        tensors = [leaves[i] if d in (None, 0) else leaves[i].movedim(d, 0) for i, d in zip(positions, dims)]
+        plan = _Batch(name, fwd, bwd, call, leaves, positions, dims, info.randomness, needs_input_grad)
+        if not batched:
+            batched.append(CustomVJP(f"{name}", _batched_fwd, _batched_bwd, symbolic_zeros=True, needs_input_grad=True))
+        flat = batched[0](*tensors, batch=plan)
         it = iter(flat)
-        out_leaves = [None if is_none else next(it) for is_none in none_outputs]
+        out_leaves = [None if is_none else next(it) for is_none in plan.none_outputs]
         new = list(it)
-        outputs = (*out_leaves, *new, layout)
+        outputs = (*out_leaves, *new, plan.layout)
         out_dims = (*(None if o is None else 0 for o in out_leaves), *([0] * len(new)), None)
         return outputs, out_dims
 

@@ -38,7 +38,7 @@ import triton.language as tl
 from .._kernel import Kernel, Rowwise
 from . import _act
 from ._act import ACTIVATIONS, GATED
-from ._common import as_rows, compute_dtype, tl_compute_dtype
+from ._common import as_rows, compute_dtype, shaped, tl_compute_dtype
 from ._fast import eager_cpu, parallel_chunks
 from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
 
@@ -573,7 +573,7 @@ def _fast_backward(dy, x, s, name, interleave, limit, alpha, offset) -> tuple[Te
             torch.sum(value.mul_(g), dim=(1, 2), out=ds[sl])
 
     parallel_chunks(n_rows, (blocks, k), acc, body)
-    return dx.view(x.shape), (None if ds is None else ds.to(s.dtype).view(s.shape))
+    return shaped(dx, x.shape), (None if ds is None else shaped(ds.to(s.dtype), s.shape))
 
 
 ACTIVATION = Kernel("activation", activation, activation_ref, batch=Rowwise())

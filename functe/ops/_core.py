@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._backend import forward_ad_active
+from .._backend import any_tangent
 from .._errors import (
     FLOAT_DTYPES,
     ArgumentError,
@@ -189,7 +189,7 @@ _add_extra_input = custom_vjp("add_extra_input", _add_fwd, _add_bwd)
 
 def _donatable(*tensors: Tensor) -> bool:
     """Whether writing into a caller's buffer is invisible to every autograd layer."""
-    if forward_ad_active() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or any_tangent(tensors):
         return False
     return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 

@@ -28,7 +28,7 @@ import torch
 
 from .._backend import runs_triton
 from .._vjp import custom_vjp
-from ..kernels._common import rows_view
+from ..kernels._common import rows_view, shaped
 from ..kernels.activation import DACTIVATION
 from ..kernels.elementwise import AXPBY, BIAS_GRAD
 from ..kernels.gemm import GEMM, GEMM_DGRAD, GEMM_DGRAD_DACT, GEMM_PREACT, GEMM_WGRAD, GEMM_WGRAD_DBIAS
@@ -127,7 +127,7 @@ def _forward_linear_add_fwd(x, weight, bias, extra, *, scale, bias_op):
             h = torch.addmm(bias, rows_view(x), weight.t())
         y = torch.add(rows_view(extra), h, alpha=s)
     # Residuals of the covered ops: linear, [bias], [constant_scale], add_extra_input.
-    return y.view(extra.shape), res
+    return shaped(y, extra.shape), res
 
 
 def _forward_linear_add_bwd(res, dy, *, scale, bias_op, needs_input_grad=(True,) * 4):
@@ -185,7 +185,7 @@ def _backward_linear_add_bwd(res, cts, needs_input_grad=(True, True, True)):
     if d_extra is None:
         dx = torch.matmul(dy, weight)
     else:
-        dx = torch.addmm(rows_view(d_extra), dy2, weight).view(x.shape)
+        dx = shaped(torch.addmm(rows_view(d_extra), dy2, weight), x.shape)
     dweight = torch.matmul(dy2.t(), rows_view(x))
     return dx, dweight, BIAS_GRAD(dy) if has_bias else None
 

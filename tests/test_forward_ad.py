@@ -1,0 +1,129 @@
+"""Plain ``torch.autograd.forward_ad`` (dual levels, not torch.func) through functe.
+
+The transform suite (tests/helpers.py: check_transforms, gradchecks) compares every op's forward-AD
+tangents with ``torch.func.jvp``; these tests pin the cases around it: a loss that uses a tangent,
+random opaque functions, captured duals, layouts, and bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+
+import functe
+from functe import ops
+from functe.testing import assert_close
+
+F64 = torch.float64
+BACKENDS = ["torch", "interpret"]
+
+
+def _mlp(x, w):
+    return ops.gelu(ops.linear(x, w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_loss_that_uses_the_tangent_is_differentiated_through_it(backend, fused):
+    # A Jacobian penalty: the tangent is part of the loss, so its dependence on w must reach w's gradient.
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8, dtype=F64), torch.randn(6, 8, dtype=F64)
+    v = torch.randn_like(x)
+
+    def reference_loss(w):
+        y, jv = torch.func.jvp(lambda x: F.gelu(x @ w.T, approximate="tanh"), (x,), (v,))
+        return (y**2).sum() + (jv**2).sum()
+
+    fn = functe.fuse(_mlp) if fused else _mlp
+    leaf = w.clone().requires_grad_()
+    with functe.use_backend(backend), fwAD.dual_level():
+        y, jv = fwAD.unpack_dual(fn(fwAD.make_dual(x, v), leaf))
+        assert jv.requires_grad
+        (got,) = torch.autograd.grad((y**2).sum() + (jv**2).sum(), leaf)
+    assert_close(got, torch.func.grad(reference_loss)(w), dtype=torch.float32)  # (TE's GELU constants)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_random_opaque_function_gets_the_tangent_of_its_own_draw(fused, requires_grad):
+    drop = functe.opaque(lambda x: F.dropout(x, 0.5, training=True))
+    fn = functe.fuse(lambda x: drop(x) * 2.0) if fused else (lambda x: drop(x) * 2.0)
+    x = torch.randn(6, 8, dtype=F64).requires_grad_(requires_grad)
+    torch.manual_seed(0)
+    with fwAD.dual_level():
+        y, tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x, torch.ones_like(x))))
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    plain = F.dropout(x.detach(), 0.5, training=True) * 2.0
+    assert torch.equal(y.detach(), plain)
+    assert torch.equal(tangent, (plain != 0).to(F64) * 4.0)  # the same mask, times 2 / (1 - p)
+    assert torch.equal(after, torch.rand(3))  # and the generator advanced by one draw, as unfused torch
+
+
+def test_a_captured_dual_is_refused_by_fuse_and_opaque():
+    x, w = torch.randn(4, 8, dtype=F64), torch.randn(6, 8, dtype=F64)
+    with fwAD.dual_level():
+        wd = fwAD.make_dual(w, torch.randn_like(w))
+        with pytest.raises(functe.TraceError, match=r"f64\[6,8\].*forward-mode tangent"):
+            functe.fuse(lambda x: ops.linear(x, wd))(x.clone().requires_grad_())
+        op = functe.opaque(lambda x: x @ wd.T)
+        # (refused whether or not the op becomes an autograd node, whose jvp would not run)
+        for arg in (x.clone().requires_grad_(), x):
+            with pytest.raises(functe.ArgumentError, match=r"opaque_<lambda>: .*f64\[6,8\].*forward-mode tangent"):
+                op(arg)
+    assert torch.equal(op(x), x @ w.T)  # (after the level: a plain tensor again)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("gelu", ops.gelu),
+        ("swiglu", ops.swiglu),
+        ("layer_norm", lambda x: ops.layer_norm(x, torch.ones(6, dtype=F64), torch.zeros(6, dtype=F64))),
+        ("rms_norm", lambda x: ops.rms_norm(x, torch.ones(6, dtype=F64))),
+        ("fused gelu", functe.fuse(lambda x: ops.gelu(x) * 2.0)),
+    ],
+)
+def test_tangents_take_the_outputs_layout(backend, name, fn):
+    # A transposed primal: a launcher returns a view of a contiguous result, the twin's tangent
+    # follows the input's layout; autograd asserts that a view output's tangent has its layout.
+    x = torch.randn(6, 5, dtype=F64).t()
+    t = torch.randn(6, 5, dtype=F64).t()
+    with functe.use_backend(backend), fwAD.dual_level():
+        tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x.clone().requires_grad_(), t))).tangent
+    assert_close(tangent, torch.func.jvp(fn, (x.contiguous(),), (t.contiguous(),))[1])
+
+
+@pytest.mark.parametrize("op", [ops.identity, ops.make_extra_output, functe.fuse(ops.identity)])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_an_expanded_dual_passes_through_view_ops(op, requires_grad):
+    b = torch.randn(8, dtype=F64).requires_grad_(requires_grad)
+    tb = torch.randn(8, dtype=F64)
+    with fwAD.dual_level():
+        out = op(fwAD.make_dual(b, tb).expand(4, 8))
+        for o in out if isinstance(out, tuple) else (out,):
+            assert torch.equal(fwAD.unpack_dual(o).tangent, tb.expand(4, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["geglu", "layer_norm", "rms_norm", "l2_normalize"])
+def test_values_inside_a_dual_level_keep_their_bits(dtype, name):
+    # The CPU fast paths stay on for tensors without a tangent (inside a Function's forward nothing
+    # is dual), so a forward under forward AD, or under torch.func.jvp, rounds as a plain call.
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 256, dtype=dtype), torch.randn(256, dtype=dtype)
+    fn = {
+        "geglu": ops.geglu,
+        "layer_norm": lambda x: ops.layer_norm(x, w, w),
+        "rms_norm": lambda x: ops.rms_norm(x, w),
+        "l2_normalize": ops.l2_normalize,
+    }[name]
+    plain = fn(x)
+    t = torch.randn_like(x)
+    with fwAD.dual_level():
+        dual = fwAD.unpack_dual(fn(fwAD.make_dual(x.clone().requires_grad_(), t))).primal
+    assert torch.equal(dual.detach(), plain)
+    assert torch.equal(torch.func.jvp(fn, (x,), (t,))[0], plain)

@@ -1,0 +1,130 @@
+"""Gradients taken *outside* a vmap: ``grad(vmap(f))``, ``jacrev(vmap(f))``, a vmapped forward then
+``.backward()``. Every op's backward rule must run there as it does inside (``vmap(grad(f))``): a
+vmap rule that ran the forward rule bare let the outer level differentiate its torch ops instead,
+which was silently wrong for rules that are not the forward's derivative (straight-through FP8,
+relu'(NaN) = 0) and raised for FP8 casts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import grad, jacrev, vmap
+
+import functe
+from functe import ops
+from functe.testing import assert_close
+
+F64 = torch.float64
+
+
+def _straight_through():
+    calls = []
+
+    def fwd(x):
+        return torch.round(x), None
+
+    def bwd(_, g):
+        calls.append(1)
+        return (g,)
+
+    return functe.custom_vjp("round_st", fwd, bwd), calls
+
+
+def test_a_straight_through_rule_runs_under_grad_of_vmap():
+    op, calls = _straight_through()
+    x = torch.tensor([[0.2, 1.7, -2.4], [3.1, -0.6, 0.4]], dtype=F64)
+    ones = torch.ones_like(x)
+    assert torch.equal(vmap(grad(lambda x: op(x).sum()))(x), ones)
+    calls.clear()
+    assert torch.equal(grad(lambda x: vmap(op)(x).sum())(x), ones)
+    assert calls  # the rule ran (the derivative of round would be 0)
+    assert torch.equal(jacrev(lambda x: vmap(op)(x).sum(-1))(x).sum(0), ones)
+    leaf = x.clone().requires_grad_()
+    vmap(op)(leaf).sum().backward()
+    assert torch.equal(leaf.grad, ones)
+    # a batch dim that is not the first, and nested vmaps
+    assert torch.equal(grad(lambda x: vmap(op, in_dims=1)(x).sum())(x), ones)
+    assert torch.equal(grad(lambda x: vmap(vmap(op))(x[None]).sum())(x), ones)
+
+
+@pytest.mark.parametrize("name", ["relu", "srelu"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_relu_nan_convention_holds_under_grad_of_vmap(name, fused):
+    # docs/activations.md: relu'(NaN) = srelu'(NaN) = 0 (TE's derivative), not autograd's.
+    op = getattr(ops, name)
+    fn = functe.fuse(lambda x: op(x)) if fused else op
+    x = torch.tensor([[float("nan"), 1.0, -1.0], [2.0, float("nan"), 0.5]], dtype=F64)
+    got = grad(lambda x: vmap(fn)(x).sum())(x)
+    assert torch.equal(got, vmap(grad(lambda x: fn(x).sum()))(x))
+    assert got[0, 0] == 0 and got[1, 1] == 0
+
+
+def test_an_unbatched_weight_gets_the_members_summed_gradient():
+    gen = torch.Generator().manual_seed(0)
+    xs, w, b = (torch.randn(*s, generator=gen, dtype=F64) for s in ((3, 4, 8), (6, 8), (6,)))
+
+    def loss(w, b, x):
+        return ops.gelu(ops.linear(x, w, b)).square().sum()
+
+    got = grad(lambda w, b: vmap(loss, in_dims=(None, None, 0))(w, b, xs).sum(), argnums=(0, 1))(w, b)
+    want = [sum(g) for g in zip(*(grad(loss, argnums=(0, 1))(w, b, x) for x in xs))]
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1])
+
+
+@pytest.mark.parametrize(
+    "recipe", [functe.CurrentScaling(), functe.MXFP8BlockScaling(), functe.Float8BlockScaling()], ids=type
+)
+def test_fp8_linear_differentiates_straight_through_under_grad_of_vmap(recipe):
+    gen = torch.Generator().manual_seed(0)
+    w, xs = torch.randn(32, 32, generator=gen), torch.randn(3, 32, 32, generator=gen)
+
+    def loss(w, x):
+        return ops.fp8_linear(x, w, None, None, recipe=recipe).square().sum()
+
+    got = grad(lambda w: vmap(loss, in_dims=(None, 0))(w, xs).sum())(w)
+    assert_close(got, sum(grad(loss)(w, x) for x in xs), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_an_opaque_random_function_batches_with_the_callers_randomness(randomness):
+    drop = functe.opaque(lambda x: F.dropout(x, 0.5, training=True))
+    x = torch.rand(4, 3, 8, dtype=F64) + 1.0  # (nonzero: a zero output marks a dropped element)
+    torch.manual_seed(0)
+    y = vmap(drop, randomness=randomness)(x)
+    torch.manual_seed(0)
+    g = vmap(grad(lambda x: drop(x).sum()), randomness=randomness)(x)
+    assert torch.equal(g, (y != 0).to(F64) * 2.0)  # the gradient of the very draw
+    if randomness == "same":
+        assert torch.equal(y[0] != 0, y[1] != 0)
+
+
+def test_a_bf16_fp8_linear_under_vmap_matches_the_members_bits():
+    # The dequantization scale is batched under vmap (not 0-d): the 16-bit GEMM result meets it in
+    # fp32 either way, so each member rounds once, as its own call does.
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(3, 16, 32, generator=gen) * 0.2).to(torch.bfloat16)
+    x = (torch.randn(3, 8, 32, generator=gen) * torch.tensor([1.0, 20.0, 0.05])[:, None, None]).to(torch.bfloat16)
+
+    def f(x, w):
+        return ops.fp8_linear(x, w, None, None, recipe=functe.CurrentScaling())
+
+    batched = vmap(f)(x, w)
+    for i in range(3):
+        assert torch.equal(batched[i], f(x[i], w[i]))
+
+
+def test_an_empty_vmapped_batch_of_per_example_gradients():
+    g, b, xs = torch.ones(8), torch.zeros(8), torch.randn(0, 3, 8)
+    for norm in (lambda g, x: ops.layer_norm(x, g, b), lambda g, x: ops.rms_norm(x, g)):
+        grads = vmap(grad(lambda g, x, norm=norm: norm(g, x).square().sum()), in_dims=(None, 0))(g, xs)
+        assert grads.shape == (0, 8)
+    recipe = functe.DelayedScaling(amax_history_len=2)
+    states = functe.tree_map(lambda t: t.new_empty((0, *t.shape)), functe.init_linear_scaling_state(recipe))
+
+    def step(w, state, x):
+        return functe.value_and_grad(lambda w, s, x: ops.linear(x, w).square().sum())(w, state, x)[1]
+
+    assert vmap(step, in_dims=(0, 0, None))(torch.randn(0, 8, 8), states, torch.randn(3, 8)).shape == (0, 8, 8)
