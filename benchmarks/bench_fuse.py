@@ -18,7 +18,7 @@ kernels (16-bit).
 
 Run: ``python -m benchmarks.bench_fuse`` (``--skip-large`` for the overhead table only, ``--func``
 to also take the large case's gradients through ``torch.func.vjp``, ``--frozen`` for the block with
-frozen weights alone).
+frozen weights alone, ``--vmap`` for gradients over a batch of examples through ``torch.func.vmap``).
 """
 
 from __future__ import annotations
@@ -167,6 +167,39 @@ def large(dtypes, reps: int, *, func: bool = False) -> str:
     return "\n\n".join(tables)
 
 
+def batched() -> str:
+    """Gradients over a batch of 32 examples (tiny blocks, fp32, 1 thread) through ``torch.func``:
+    per-example (``vmap(grad)``) and of the summed loss taken outside the vmap (``grad(vmap)``)."""
+    _, p = make_inputs(4, 8, 16, torch.float32)
+    xs = torch.randn(32, 4, 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    p = {k: v.detach() for k, v in p.items()}
+    impls = implementations()
+    del impls["compile"]  # (compiling a torch.func transform is refused by functe: docs/design.md)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    for case, transform in (
+        ("vmap(grad)", lambda loss: torch.func.vmap(torch.func.grad(loss), in_dims=(0, None))),
+        (
+            "grad(vmap)",
+            lambda loss: (
+                lambda xs, p: torch.func.grad(lambda p: torch.func.vmap(loss, in_dims=(0, None))(xs, p).sum())(p)
+            ),
+        ),
+    ):
+        steps = {}
+        for k, f in impls.items():
+            step = transform(lambda x, p, f=f: f(x, p).square().sum())
+            steps[k] = lambda step=step: step(xs, p)
+        rows.append((f"MLP, 32 examples: {case}", {k: per_call(s, calls=20, rounds=7) for k, s in steps.items()}))
+    torch.set_num_threads(threads)
+    return table(
+        "Per-call CPU time, batched gradients (32 examples of 4 tokens, 8 hidden, 16 ffn, fp32, 1 thread)",
+        rows,
+        baseline="eager",
+    )
+
+
 def frozen(reps: int) -> str:
     """The block at 2048 tokens, fp32, gradients of the input only (frozen weights, as in adapter or
     bias-only fine-tuning): backward rules skip the weight gradients nobody asked for."""
@@ -212,7 +245,13 @@ def main():
     parser.add_argument("--reps", type=int, default=5, help="timed rounds of the large case")
     parser.add_argument("--func", action="store_true", help="also time the large case through torch.func.vjp")
     parser.add_argument("--frozen", action="store_true", help="only the frozen-weights case (input gradient only)")
+    parser.add_argument("--vmap", action="store_true", help="only the batched-gradients case (torch.func.vmap)")
     args = parser.parse_args()
+    if args.vmap:
+        print(machine())
+        print()
+        print(batched())
+        return
     if args.frozen:
         print(machine())
         print()

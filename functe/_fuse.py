@@ -646,6 +646,18 @@ class _Variant:
         return self.with_constants(self.op(*tensors))
 
 
+def _carries_grad(t: Tensor) -> bool:
+    """Whether ``t``, under torch.func, may be differentiated by some level: a grad or jvp level's
+    wrapper (conservatively), or a batched tensor over one, or over a tensor requiring grad."""
+    while _is_batched(t):
+        t = _unwrap(t)
+    return t.requires_grad or _is_wrapped(t)
+
+
+_is_batched = torch._C._functorch.is_batchedtensor
+_unwrap = torch._C._functorch.get_unwrapped
+
+
 def _replaying(forward: Callable, bwd: Callable) -> tuple[Callable, Callable]:
     """A fused op's rules keeping the generators' states its forward started from (a residual
     constant): its ``jvp`` reruns the forward plan, and an opaque random function in it (dropout)
@@ -816,12 +828,13 @@ class Fused:
         if plan.differentiable and torch.is_grad_enabled():
             needs = tuple(t.requires_grad for t in tensors)
             # Only the inputs that want gradients keep their backward steps' residuals (autograd
-            # records only what reaches them): under torch.func also every transform wrapper (a
-            # vmapped argument shows no requires_grad but may carry an outer grad level's tracking:
-            # grad(vmap(f)) must record the node, not differentiate infer's forward rules).
+            # records only what reaches them): under torch.func also every grad or jvp level's
+            # wrapper, and a vmapped argument whose unbatched tensor is one or requires grad (it shows
+            # no requires_grad itself: grad(vmap(f)) must record the node, not differentiate infer's
+            # forward rules; a plain vmap keeps the cheaper infer).
             functorch = torch._C._functorch.maybe_current_level() is not None
             if functorch:
-                needs = tuple(n or _is_wrapped(t) for n, t in zip(needs, tensors))
+                needs = tuple(n or _carries_grad(t) for n, t in zip(needs, tensors))
             if any(needs):
                 variant = plan.variant(None if all(needs) else needs)
                 if variant.liveness.live:  # (else no output depends on a trainable input)

@@ -565,7 +565,8 @@ def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
         return tuple(flat_grads[batch.positions[k]] for k in returned)
 
     out_cts = tuple(cts[:n_out])
-    grads = torch.vmap(member, in_dims=(batch.dims, 0, 0, 0), out_dims=0, randomness=batch.random)(
+    ct_dims = tuple(None if c is None else 0 for c in out_cts)  # (an unused output's cotangent is None)
+    grads = torch.vmap(member, in_dims=(batch.dims, 0, 0, ct_dims), out_dims=0, randomness=batch.random)(
         tuple(tensors), tuple(flat[:n_out]), tuple(flat[n_out:]), out_cts
     )
     result = [None] * len(tensors)

@@ -128,3 +128,27 @@ def test_an_empty_vmapped_batch_of_per_example_gradients():
         return functe.value_and_grad(lambda w, s, x: ops.linear(x, w).square().sum())(w, state, x)[1]
 
     assert vmap(step, in_dims=(0, 0, None))(torch.randn(0, 8, 8), states, torch.randn(3, 8)).shape == (0, 8, 8)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_block_with_unused_outputs_under_grad_of_vmap(fused):
+    # layer_norm's op also returns its row statistics, which nobody uses: their cotangents are
+    # symbolic zeros (None) inside the batched backward.
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"w1": (16, 8), "b1": (16,), "w2": (8, 16), "b2": (8,), "g": (8,), "b": (8,)}
+    p = {k: torch.randn(*s, generator=gen, dtype=F64) for k, s in shapes.items()}
+    xs = torch.randn(5, 4, 8, generator=gen, dtype=F64)
+
+    def block(p, x):
+        h = ops.layer_norm(x, p["g"], p["b"])
+        return ops.linear(ops.gelu(ops.linear(h, p["w1"], p["b1"])), p["w2"], p["b2"]) + x
+
+    fn = functe.fuse(block) if fused else block
+
+    def loss(p, x):
+        return fn(p, x).square().sum()
+
+    got = grad(lambda p: vmap(loss, in_dims=(None, 0))(p, xs).sum())(p)
+    per_example = vmap(grad(loss), in_dims=(None, 0))(p, xs)
+    for k in p:
+        assert_close(got[k], per_example[k].sum(0))
