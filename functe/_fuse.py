@@ -647,14 +647,17 @@ class _Variant:
 
 
 def _carries_grad(t: Tensor) -> bool:
-    """Whether ``t``, under torch.func, may be differentiated by some level: a grad or jvp level's
-    wrapper (conservatively), or a batched tensor over one, or over a tensor requiring grad."""
-    while _is_batched(t):
+    """Whether ``t``, under torch.func, is differentiated in reverse mode by some level: it or a
+    tensor it wraps requires grad (a vmapped tensor shows no requires_grad of its own, a jvp
+    level's dual none either: forward-only transforms keep the cheaper infer, as unfused)."""
+    while True:
+        if t.requires_grad:
+            return True
+        if not _is_wrapped(t):
+            return False
         t = _unwrap(t)
-    return t.requires_grad or _is_wrapped(t)
 
 
-_is_batched = torch._C._functorch.is_batchedtensor
 _unwrap = torch._C._functorch.get_unwrapped
 
 
@@ -828,10 +831,9 @@ class Fused:
         if plan.differentiable and torch.is_grad_enabled():
             needs = tuple(t.requires_grad for t in tensors)
             # Only the inputs that want gradients keep their backward steps' residuals (autograd
-            # records only what reaches them): under torch.func also every grad or jvp level's
-            # wrapper, and a vmapped argument whose unbatched tensor is one or requires grad (it shows
-            # no requires_grad itself: grad(vmap(f)) must record the node, not differentiate infer's
-            # forward rules; a plain vmap keeps the cheaper infer).
+            # records only what reaches them): under torch.func a wrapper counts when a tensor it
+            # wraps requires grad (a vmapped argument shows none itself: grad(vmap(f)) must record
+            # the node, not differentiate infer's forward rules; see _carries_grad).
             functorch = torch._C._functorch.maybe_current_level() is not None
             if functorch:
                 needs = tuple(n or _carries_grad(t) for n, t in zip(needs, tensors))

@@ -494,6 +494,9 @@ class _Batch:
     ``.backward()``) records the op's backward rule, as it does inside (``vmap(grad(f))``): running
     the vmapped forward rule bare would let the outer level differentiate its torch ops instead
     (silently wrong for a straight-through rule, and an FP8 cast refused to be differentiated).
+    The twin keeps only the batched inputs and outputs the op's residual layout refers to, pruned
+    further by the op's own ``prune_residuals`` for the wanted gradients, and the generators' state a
+    random forward started from (its ``jvp`` replays the draw).
     """
 
     __slots__ = (
@@ -501,24 +504,29 @@ class _Batch:
         "call",
         "dims",
         "fwd",
+        "in_meta",
         "layout",
         "leaves",
         "name",
         "needs",
-        "none_outputs",
+        "out_meta",
         "positions",
+        "prune",
         "random",
+        "symbolic_zeros",
     )
 
-    def __init__(self, name, fwd, bwd, call, leaves, positions, dims, randomness, needs_input_grad):
+    def __init__(self, name, fwd, bwd, call, leaves, positions, dims, randomness, flags):
         self.name, self.fwd, self.bwd, self.call = name, fwd, bwd, call
         self.leaves = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
         self.positions = positions
         self.dims = tuple(None if d is None else 0 for d in dims)  # (batched tensors arrive moved to dim 0)
         self.random = randomness
-        self.needs = needs_input_grad
-        self.layout: _Layout | None = None  # (set by the forward: the unbatched op's output layout)
-        self.none_outputs: list[bool] = []
+        self.needs, self.prune, self.symbolic_zeros = flags
+        # set by the forward, per member: the op's residual layout, its outputs' and inputs' metadata
+        self.layout: _Layout | None = None
+        self.out_meta: list = []
+        self.in_meta: list = []
 
     def full(self, tensors) -> list:
         leaves = list(self.leaves)
@@ -526,55 +534,98 @@ class _Batch:
             leaves[i] = t
         return leaves
 
+    def outputs(self, flat_outs) -> list:
+        """The op's output leaves (``None`` where it returned none) from the twin's flat outputs."""
+        it = iter(flat_outs)
+        return [None if meta is None else next(it) for meta in self.out_meta]
+
 
 def _batched_fwd(*tensors, batch: _Batch):
     def member(*ts):
-        out_leaves, new, layout = _run_forward(batch.name, batch.fwd, batch.call, batch.full(ts))
-        batch.layout, batch.none_outputs = layout, [o is None for o in out_leaves]
+        leaves = batch.full(ts)
+        out_leaves, new, layout = _run_forward(batch.name, batch.fwd, batch.call, leaves)
+        batch.layout = layout
+        batch.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, Tensor) else None for o in out_leaves]
+        batch.in_meta = [(t.shape, t.dtype) if isinstance(t, Tensor) else None for t in leaves]
         return (*(o for o in out_leaves if o is not None), *new)
 
     flat = torch.vmap(member, in_dims=batch.dims, out_dims=0, randomness=batch.random)(*tensors)
-    # residuals: the batched inputs and outputs themselves (the member layout says which is which)
-    return flat, (tensors, flat)
+    plan = batch.layout.plan
+    used_in = {i for kind, i in plan if kind == _IN}
+    used_out = {j for kind, j in plan if kind == _OUT}
+    n_out = len(flat) - batch.layout.n_new
+    # Residuals: only the batched inputs and outputs the op's residual layout refers to, the
+    # intermediates (the anchor among them), and a random forward's generator state (see _Batch).
+    ins = tuple(t if i in used_in else None for i, t in zip(batch.positions, tensors))
+    outs = tuple(o if j in used_out else None for j, o in enumerate(batch.outputs(flat[:n_out])) if o is not None)
+    states = tuple(v for kind, v in plan if kind == _CONST and isinstance(v, RandomState))[:1]
+    return flat, (ins, outs, tuple(flat[n_out:]), states)
+
+
+def _batched_prune(res, *, batch: _Batch, needs_input_grad):
+    """The twin's residuals the wanted gradients read: the op's own ``prune_residuals`` decides on
+    the batched tensors standing in for the members' (it only says which leaves to keep)."""
+    if batch.prune is None:
+        return res
+    ins, outs, new, states = res
+    wanted = [False] * len(batch.leaves)
+    for i, flag in zip(batch.positions, needs_input_grad):
+        wanted[i] = flag
+    layout = batch.layout
+    sources = {_IN: batch.full(ins), _OUT: batch.outputs(outs), _NEW: new}
+    leaves = [value if kind == _CONST else sources[kind][value] for kind, value in layout.plan]
+    needs = argument_needs(wanted, batch.call.in_tree)
+    pruned = batch.prune(tree_unflatten(layout.res_tree, leaves), needs_input_grad=needs, **batch.call.static)
+    kept = tree_flatten(pruned)[0]
+    keep = {id(t) for t, k in zip(leaves, kept) if isinstance(t, Tensor) and k is not None}
+    dropped = {id(t) for t in leaves if isinstance(t, Tensor)} - keep
+    if not dropped:
+        return res
+    ins = tuple(None if t is not None and id(t) in dropped else t for t in ins)
+    outs = tuple(None if t is not None and id(t) in dropped else t for t in outs)
+    return ins, outs, new, states
 
 
 def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
-    tensors, flat = res
+    ins, outs, new, _ = res
     layout = batch.layout
-    n_out = len(flat) - layout.n_new
+    n_out = len(cts) - layout.n_new
     wanted = [False] * len(batch.leaves)
     for i, flag in zip(batch.positions, needs_input_grad):
         wanted[i] = flag
     returned: list[int] = []
 
-    def member(ts, outs, new, out_cts):
+    def member(ts, member_outs, member_new, out_cts):
         leaves = batch.full(ts)
-        it, ct_it = iter(outs), iter(out_cts)
-        out_leaves, ct_leaves = [], []
-        for is_none in batch.none_outputs:
-            out_leaves.append(None if is_none else next(it))
-            ct_leaves.append(None if is_none else next(ct_it))
-        sources = {_IN: leaves, _OUT: out_leaves, _NEW: new}
+        ct_leaves = batch.outputs(out_cts)
+        if not batch.symbolic_zeros:  # (the op's rule expects zeros for an unused output, as autograd gives)
+            ct_leaves = [
+                torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None and meta is not None else g
+                for g, meta in zip(ct_leaves, batch.out_meta)
+            ]
+        sources = {_IN: leaves, _OUT: batch.outputs(member_outs), _NEW: member_new}
         res_leaves = [value if kind == _CONST else sources[kind][value] for kind, value in layout.plan]
         residuals = tree_unflatten(layout.res_tree, res_leaves)
         extra = {"needs_input_grad": argument_needs(wanted, batch.call.in_tree)} if batch.needs else {}
         grads = batch.bwd(residuals, tree_unflatten(layout.out_tree, ct_leaves), **extra, **batch.call.static)
-        in_meta = [(t.shape, t.dtype) if isinstance(t, Tensor) else None for t in leaves]
-        flat_grads = _flatten_cotangents(batch.name, batch.call, grads, in_meta)
+        flat_grads = _flatten_cotangents(batch.name, batch.call, grads, batch.in_meta)
         returned[:] = [k for k, i in enumerate(batch.positions) if isinstance(flat_grads[i], Tensor)]
         return tuple(flat_grads[batch.positions[k]] for k in returned)
 
+    def dims(items, batched) -> tuple:
+        return tuple(
+            None if t is None else (batched[k] if isinstance(batched, tuple) else 0) for k, t in enumerate(items)
+        )
+
     out_cts = tuple(cts[:n_out])
-    ct_dims = tuple(None if c is None else 0 for c in out_cts)  # (an unused output's cotangent is None)
-    grads = torch.vmap(member, in_dims=(batch.dims, 0, 0, ct_dims), out_dims=0, randomness=batch.random)(
-        tuple(tensors), tuple(flat[:n_out]), tuple(flat[n_out:]), out_cts
-    )
-    result = [None] * len(tensors)
+    in_dims = (dims(ins, batch.dims), dims(outs, 0), dims(new, 0), dims(out_cts, 0))
+    grads = torch.vmap(member, in_dims=in_dims, out_dims=0, randomness=batch.random)(ins, outs, new, out_cts)
+    result = [None] * len(ins)
     for k, g in zip(returned, grads):
         # (an unbatched input gets the sum of the members' cotangents)
         result[k] = g.sum(0) if batch.dims[k] is None else g
     if layout.n_new and torch.is_grad_enabled():  # (its backward uses intermediates: see _guard)
-        result = _guard(batch.name, result, flat[-1])
+        result = _guard(batch.name, result, new[-1])
     return tuple(result)
 
 
@@ -685,6 +736,8 @@ def _make_function(
             raise TransformError(f"functe.{name}: {error}") from None
         it = iter(out_tangents)
         result = [None if meta is None else next(it) for meta in ctx.out_meta]
+        # (an integer output, a seed kept as a residual, has no tangent: autograd refuses one)
+        result = [None if meta is None or not meta[1].is_floating_point else t for t, meta in zip(result, ctx.out_meta)]
         if ctx.out_strides is not None:
             result = [t if t is None else with_layout(t, s) for t, s in zip(result, ctx.out_strides)]
         if not layout.n_new:
@@ -700,13 +753,23 @@ def _make_function(
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         dims = [in_dims[1 + i] for i in positions]
         tensors = [leaves[i] if d in (None, 0) else leaves[i].movedim(d, 0) for i, d in zip(positions, dims)]
-        plan = _Batch(name, fwd, bwd, call, leaves, positions, dims, info.randomness, needs_input_grad)
+        flags = (needs_input_grad, prune, symbolic_zeros)
+        plan = _Batch(name, fwd, bwd, call, leaves, positions, dims, info.randomness, flags)
         if not batched:
-            batched.append(CustomVJP(f"{name}", _batched_fwd, _batched_bwd, symbolic_zeros=True, needs_input_grad=True))
+            batched.append(
+                CustomVJP(
+                    name,
+                    _batched_fwd,
+                    _batched_bwd,
+                    symbolic_zeros=True,
+                    needs_input_grad=True,
+                    prune_residuals=_batched_prune,
+                )
+            )
         flat = batched[0](*tensors, batch=plan)
-        it = iter(flat)
-        out_leaves = [None if is_none else next(it) for is_none in plan.none_outputs]
-        new = list(it)
+        n_out = len(flat) - plan.layout.n_new
+        out_leaves = plan.outputs(flat[:n_out])
+        new = list(flat[n_out:])
         outputs = (*out_leaves, *new, plan.layout)
         out_dims = (*(None if o is None else 0 for o in out_leaves), *([0] * len(new)), None)
         return outputs, out_dims

@@ -134,8 +134,9 @@ def check_transforms(fn: Callable, ref: Callable, args: Sequence[torch.Tensor], 
     """Check ``fn`` against the pure-torch ``ref`` under every torch.func transform, in float64.
 
     Covers grad, vjp, vmap, vmap(grad) (all args batched, and only the first),
-    jacrev, jvp, jacfwd, and (if ``higher_order``) grad of grad; on the CPU twins
-    both with twins called directly and with twins run as Functions.
+    jacrev, grad(vmap), jvp(vmap), jvp, jacfwd, plain forward_ad, and (if
+    ``higher_order``) grad of grad; on the CPU twins both with twins called
+    directly and with twins run as Functions.
     """
     for route in _twin_routes():
         with route():
@@ -163,6 +164,14 @@ def _check_transforms(fn: Callable, ref: Callable, args: Sequence[torch.Tensor],
         "vmap(grad) x only",
     )
     _same(jacrev(fn, argnums=argnums)(*args), jacrev(ref, argnums=argnums)(*args), "jacrev")
+
+    # gradients and tangents taken outside a vmap (the op's rules must run there too)
+    def grad_of_vmap(f):
+        return grad(_loss(vmap(f)), argnums=argnums)(*batched)
+
+    _same(grad_of_vmap(fn), grad_of_vmap(ref), "grad(vmap)")
+    batched_tangents = tuple(torch.randn_like(b) for b in batched)
+    _same(jvp(vmap(fn), batched, batched_tangents)[1], jvp(vmap(ref), batched, batched_tangents)[1], "jvp(vmap)")
     tangents = tuple(torch.randn_like(a) for a in args)
     _same(jvp(fn, args, tangents)[1], jvp(ref, args, tangents)[1], "jvp")
     _same(forward_ad_tangents(fn, args, tangents), jvp(ref, args, tangents)[1], "forward_ad")

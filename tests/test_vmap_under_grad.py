@@ -152,3 +152,52 @@ def test_a_block_with_unused_outputs_under_grad_of_vmap(fused):
     per_example = vmap(grad(loss), in_dims=(None, 0))(p, xs)
     for k in p:
         assert_close(got[k], per_example[k].sum(0))
+
+
+def test_a_materialized_zeros_op_with_an_unused_output_under_grad_of_vmap():
+    # symbolic_zeros=False (the default): the rule expects zeros for the output nobody uses.
+    op = functe.custom_vjp("two_outputs", lambda x: ((x * 2, x * 3), None), lambda _, g: (g[0] * 2 + g[1] * 3,))
+    x = torch.randn(4, 5, dtype=F64)
+    got = grad(lambda x: vmap(op)(x)[0].sum())(x)
+    assert torch.equal(got, torch.full_like(x, 2.0))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_forward_mode_over_vmap_of_a_random_opaque_function_uses_its_draw(fused):
+    drop = functe.opaque(lambda x: F.dropout(x, 0.5, training=True))
+    fn = functe.fuse(lambda w, x: drop(ops.linear(x, w))) if fused else (lambda w, x: drop(x @ w.T))
+    w, xs = torch.randn(6, 8, dtype=F64), torch.rand(3, 4, 8, dtype=F64) + 1.0
+    y, tangent = torch.func.jvp(
+        lambda w: vmap(fn, in_dims=(None, 0), randomness="different")(w, xs), (w,), (torch.ones_like(w),)
+    )
+    kept = y != 0
+    assert torch.equal(tangent != 0, kept & (xs.sum(-1, keepdim=True).expand_as(y) != 0))
+
+
+def test_forward_mode_over_vmap_of_a_fused_program_keeping_its_seed():
+    # The dropout's int64 seed is a residual, an integer output of the batched op: no tangent.
+    fn = functe.fuse(lambda w, x: ops.dropout(ops.linear(x, w), 0.3, seed=4))
+    w, xs = torch.randn(6, 8, dtype=F64), torch.randn(3, 4, 8, dtype=F64)
+    v = torch.randn_like(w)
+    got = torch.func.jvp(lambda w: vmap(fn, in_dims=(None, 0))(w, xs), (w,), (v,))[1]
+    unfused = lambda w, x: ops.dropout(ops.linear(x, w), 0.3, seed=4)
+    assert_close(got, torch.func.jvp(lambda w: vmap(unfused, in_dims=(None, 0))(w, xs), (w,), (v,))[1])
+
+
+def test_gradients_outside_vmap_keep_no_more_than_torch():
+    # The batched op keeps only what the op's residuals refer to, pruned for the wanted gradients.
+    from helpers import saved_storages
+
+    xs, w, b = torch.randn(8, 64, 64), torch.randn(256, 64), torch.randn(256, requires_grad=True)
+    g = torch.randn(64, requires_grad=True)
+    for run_functe, run_torch in (
+        (lambda: vmap(lambda x: ops.linear(x, w, b))(xs), lambda: vmap(lambda x: F.linear(x, w, b))(xs)),
+        (lambda: vmap(lambda x: ops.bias(x, b[:64]))(xs), lambda: vmap(lambda x: x + b[:64])(xs)),
+        (lambda: vmap(lambda x: ops.rms_norm(x, g))(xs), lambda: vmap(lambda x: F.rms_norm(x, (64,), g))(xs)),
+    ):
+        parameters = {t.untyped_storage().data_ptr() for t in (w, b, g)}
+
+        def elements(run, parameters=parameters):  # (activations only: parameters live anyway)
+            return sum(torch.Size(s).numel() for p, s in saved_storages(run)[1].items() if p not in parameters)
+
+        assert elements(run_functe) <= elements(run_torch)
