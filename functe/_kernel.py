@@ -36,10 +36,13 @@ threshold).
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad as _forward_ad
 
 from ._backend import any_tangent, forward_ad_active, runs_triton
@@ -227,6 +230,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
         def twin_of(*values):
             return twin(*_with(args, diff, values))
 
+        refuse_forward_over_forward(kernel.name)
         if ctx.quantizing:
             # A quantizing kernel (FP8 data, uint8 scales): its rounding is piecewise constant, so the
             # tangent would silently vanish into it, or survive only through the scale's path, while
@@ -280,7 +284,11 @@ def forward_tangents(fn: Callable, primals: tuple, tangents: tuple) -> Any:
     differentiated through this computation, as through torch's own forward-mode formulas.
     """
     if not forward_ad_active() or _transforms_active():
-        return torch.func.jvp(fn, tuple(dense(p) for p in primals), tangents)[1]
+        _rule_levels.depth = getattr(_rule_levels, "depth", 0) + 1
+        try:
+            return torch.func.jvp(fn, tuple(dense(p) for p in primals), tangents)[1]
+        finally:
+            _rule_levels.depth -= 1
     level = _forward_ad._current_level
     with _forward_ad._set_fwd_grad_enabled(True):
         primals = [_forward_ad.unpack_dual(p, level=level).primal for p in primals]
@@ -293,6 +301,29 @@ def forward_tangents(fn: Callable, primals: tuple, tangents: tuple) -> Any:
         unpacked = [_forward_ad.unpack_dual(o, level=level) for o in (out if isinstance(out, tuple) else (out,))]
     tans = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
     return tans if isinstance(out, tuple) else tans[0]
+
+
+# The torch.func.jvp levels functe's own jvp rules open (per thread), not counted as the caller's.
+_rule_levels = threading.local()
+
+
+def refuse_forward_over_forward(name: str) -> None:
+    """Raise if the caller nested forward-mode transforms (``jvp(jvp(f))``, ``jacfwd(jacfwd(f))``).
+
+    torch 2.13 returns zero for the second-order forward term of every ``autograd.Function`` with a
+    ``jvp`` rule (a plain Function computing ``t * cos(x)`` gives ``jvp(jvp(sin)) = 0``): silently
+    wrong, so refused. ``jacfwd(jacrev(f))`` and ``torch.func.hessian`` differentiate the backward
+    rules in forward mode and are exact.
+    """
+    if not _transforms_active():
+        return
+    levels = sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    if levels - getattr(_rule_levels, "depth", 0) >= 2:
+        raise TransformError(
+            f"functe.{name}: forward-over-forward derivatives (jvp of jvp, jacfwd of jacfwd) are not supported: "
+            "torch 2.13 gives a custom autograd.Function's second-order forward term as zero; use "
+            "jacfwd(jacrev(f)) or torch.func.hessian"
+        )
 
 
 def output_strides(outputs) -> list | None:

@@ -53,7 +53,7 @@ import torch
 
 from ._backend import any_tangent
 from ._errors import ArgumentError, RuleError, TransformError, describe, describe_shape
-from ._kernel import forward_tangents, output_strides, with_layout
+from ._kernel import forward_tangents, output_strides, refuse_forward_over_forward, with_layout
 from ._rng import RandomState
 from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 
@@ -422,6 +422,10 @@ def _guard(name: str, flat: list, anchor: Tensor) -> list:
     return flat
 
 
+def _differentiable(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list:
     arg_trees = call.in_tree.children()
     if not isinstance(cts, tuple) or len(cts) != len(arg_trees):
@@ -706,6 +710,7 @@ def _make_function(
         return (None, *flat)
 
     def jvp(ctx, *tangents):
+        refuse_forward_over_forward(name)
         call, layout = ctx.call, ctx.layout
         primals = ctx.saved_tensors
         positions = [i for i, meta in enumerate(ctx.in_meta) if meta is not None]
@@ -737,7 +742,7 @@ def _make_function(
         it = iter(out_tangents)
         result = [None if meta is None else next(it) for meta in ctx.out_meta]
         # (an integer output, a seed kept as a residual, has no tangent: autograd refuses one)
-        result = [None if meta is None or not meta[1].is_floating_point else t for t, meta in zip(result, ctx.out_meta)]
+        result = [None if meta is None or not _differentiable(meta[1]) else t for t, meta in zip(result, ctx.out_meta)]
         if ctx.out_strides is not None:
             result = [t if t is None else with_layout(t, s) for t, s in zip(result, ctx.out_strides)]
         if not layout.n_new:

@@ -127,3 +127,30 @@ def test_values_inside_a_dual_level_keep_their_bits(dtype, name):
         dual = fwAD.unpack_dual(fn(fwAD.make_dual(x.clone().requires_grad_(), t))).primal
     assert torch.equal(dual.detach(), plain)
     assert torch.equal(torch.func.jvp(fn, (x,), (t,))[0], plain)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_forward_over_forward_is_refused_not_zero(fused):
+    # torch 2.13 gives any autograd.Function's second-order forward term as zero: refused, with the
+    # exact alternative named; jacfwd(jacrev) (hessian) stays exact.
+    fn = functe.fuse(lambda x: ops.gelu(x) * 2.0) if fused else (lambda x: ops.gelu(x) * 2.0)
+    x, v = torch.tensor([0.3, -1.2, 2.0], dtype=F64), torch.ones(3, dtype=F64)
+    with pytest.raises(functe.TransformError, match=r"forward-over-forward.*jacfwd\(jacrev\(f\)\)"):
+        torch.func.jvp(lambda x: torch.func.jvp(fn, (x,), (v,))[1], (x,), (v,))
+    with pytest.raises(functe.TransformError, match="forward-over-forward"):
+        torch.func.jacfwd(torch.func.jacfwd(lambda x: fn(x).sum()))(x)
+    reference = torch.func.hessian(lambda x: (F.gelu(x, approximate="tanh") * 2.0).sum())(x)
+    assert_close(torch.func.jacfwd(torch.func.jacrev(lambda x: fn(x).sum()))(x), reference)
+
+
+def test_a_complex_output_keeps_its_tangent():
+    def rotate(x, theta):  # (RoPE-style: pairs as complex numbers)
+        return torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * torch.exp(1j * theta)
+
+    op = functe.opaque(rotate)
+    x, theta = torch.randn(4, 8, dtype=F64), torch.randn(4, 4, dtype=F64)
+    t = torch.randn_like(x)
+    assert_close(
+        torch.view_as_real(torch.func.jvp(lambda x: op(x, theta), (x,), (t,))[1]),
+        torch.view_as_real(torch.func.jvp(lambda x: rotate(x, theta), (x,), (t,))[1]),
+    )
