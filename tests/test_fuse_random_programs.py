@@ -200,6 +200,14 @@ def test_fused_random_programs_match_unfused(program, seed, dtype):
     batch = torch.stack([x, -2 * x])
     check(torch.func.vmap(lambda x: fused(x, ps))(batch), torch.func.vmap(lambda x: fn(x, ps))(batch), "vmap")
 
+    # gradients taken outside the vmap: every rule's backward must run there too
+    def batched_loss(f):
+        return lambda ps, batch: sum((o * o).sum() for o in torch.func.vmap(lambda x: f(x, ps))(batch))
+
+    fused_outside = torch.func.grad(batched_loss(fused), argnums=(0, 1))(ps, batch)
+    outside = torch.func.grad(batched_loss(fn), argnums=(0, 1))(ps, batch)
+    check([*fused_outside[0], fused_outside[1]], [*outside[0], outside[1]], "grad(vmap)")
+
     # plain forward-mode AD (not torch.func) in a training step: inputs that require grad
     gen = torch.Generator().manual_seed(seed + 2)
     tangents = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(dtype) for t in (x, *ps)]
