@@ -149,7 +149,8 @@ class Kernel:
 
 
 def _needs_autograd(args: Sequence[Any]) -> bool:
-    """Whether a launch must be recorded: a tensor argument requires grad or is a torch.func wrapper."""
+    """Whether a launch must be recorded: a tensor argument requires grad, is a torch.func wrapper or
+    carries a forward-mode tangent."""
     if any_tangent(args):
         return True
     grad = torch.is_grad_enabled()
