@@ -672,8 +672,20 @@ def _ops():
     return ops
 
 
+def _integer_arithmetic(sign: str, a, b) -> None:
+    """Refuse arithmetic on a traced integer tensor (a seed) with a way out: functe's arithmetic ops
+    are float ops."""
+    if any(isinstance(v, Tensor) and not v.is_floating_point() for v in (a, b)):
+        raise TraceError(
+            f"functe.trace: {describe(a)} {sign} {describe(b)}: arithmetic on an integer tensor (a seed) is not "
+            "recorded; derive seeds outside the traced function and pass them in, or use an opaque op, e.g. "
+            "functe.opaque(lambda seed, k: seed + k)(seed, 1)"
+        )
+
+
 def _add(a, b):
     """``a + b`` as add_extra_input (same shapes) or bias (``b`` one value per feature of ``a``)."""
+    _integer_arithmetic("+", a, b)
     ops = _ops()
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         if a.shape == b.shape:
@@ -695,6 +707,7 @@ def _torch_add(a, b, *, alpha=1):
 
 
 def _scale(x, s):
+    _integer_arithmetic("*", x, s)
     if not (isinstance(x, Tensor) and _is_number(s)):
         raise TraceError(
             f"functe.trace: {describe(x)} * {describe(s)} has no functe op: functe records the product of a "
@@ -725,6 +738,7 @@ def _rsub(a, b):  # b - a
 
 
 def _check_subtraction(a, b) -> None:
+    _integer_arithmetic("-", a, b)
     # (else x - 2 fails inside its own rewrite, as "int * float")
     if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
         raise TraceError(

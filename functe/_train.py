@@ -32,7 +32,9 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
         check: reject a state that was used twice in the step (one host synchronisation;
             see :func:`functe.state_from_gradient`).
 
-    Works under ``torch.func.vmap`` (each ensemble member keeps its own state). Under
+    Works under ``torch.func.vmap`` (each ensemble member keeps its own state). A stateless recipe's
+    state is ``None`` (also the next state returned), which ``vmap`` refuses to batch as an output:
+    give it ``out_dims=(0, 0, None)`` (or a ``None`` for each stateless leaf of a mixed state). Under
     ``torch.compile`` compile ``fn`` itself and take gradients with ``torch.autograd.grad``
     outside (pytorch#193279, ``docs/design.md``).
 

@@ -72,9 +72,14 @@ def tree_structure(tree: Any) -> PyTreeSpec:
 def tree_map(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
     """Apply ``fn`` leafwise over ``tree`` and structurally identical ``rests``.
 
+    ``None`` is a leaf (as in ``torch.utils._pytree``, unlike JAX): ``fn`` sees it, so a function
+    over states that may be stateless (``None``) must pass it through.
+
     Example:
         >>> tree_map(lambda a, b: a + b, {"x": 1, "y": 2}, {"x": 10, "y": 20})
         {'x': 11, 'y': 22}
+        >>> tree_map(lambda t: None if t is None else t * 2, {"fc1": None, "fc2": 3})
+        {'fc1': None, 'fc2': 6}
     """
     return optree.tree_map(fn, tree, *rests, none_is_leaf=True, namespace=NAMESPACE)
 

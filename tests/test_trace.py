@@ -246,3 +246,20 @@ def test_an_opaque_random_function_is_differentiated_at_the_draw_it_made():
     assert torch.equal(torch.autograd.grad(y2.sum(), x2)[0], y2.detach())
     y3, pull = torch.func.vjp(lambda x: drop(x, p=0.5), torch.ones(1000))
     assert torch.equal(pull(torch.ones(1000))[0], y3)
+
+
+@pytest.mark.parametrize("expr", ["seed + 1", "seed * 2", "seed - 1", "seed + seed"])
+def test_seed_arithmetic_in_a_trace_names_the_way_out(expr):
+    f = eval(f"lambda x, seed: functe.ops.dropout(x, 0.3, seed={expr})")
+    with pytest.raises(functe.TraceError, match=r"i64\[\] . .*integer tensor \(a seed\).*functe\.opaque"):
+        functe.fuse(f)(torch.randn(4, 8), torch.tensor(7))
+
+
+def test_a_seed_derived_by_an_opaque_op_matches_unfused():
+    next_seed = functe.opaque(lambda seed, k: seed + k)
+
+    def f(x, seed):
+        return functe.ops.dropout(functe.ops.dropout(x, 0.3, seed=seed), 0.3, seed=next_seed(seed, 1))
+
+    x = torch.randn(4, 8)
+    assert torch.equal(functe.fuse(f)(x, torch.tensor(7)), f(x, torch.tensor(7)))
