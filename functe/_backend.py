@@ -120,5 +120,16 @@ def any_tangent(tensors) -> bool:
     )
 
 
+def records(values) -> bool:
+    """Whether autograd or a torch.func transform records an op on ``values`` (tensors among other
+    arguments): one requires grad under grad mode, is a transform's wrapper, or carries a forward-mode
+    tangent. An op then takes its Function, and must not write into a caller's buffer."""
+    grad = torch.is_grad_enabled()
+    for t in values:
+        if isinstance(t, torch.Tensor) and ((grad and t.requires_grad) or _is_wrapped(t)):
+            return True
+    return any_tangent(values)
+
+
 _unpack_dual = torch._VF._unpack_dual
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # (torch.func's own duals: not read here)

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from ._backend import any_tangent
+from ._backend import records
 from ._errors import ArgumentError, DistributedError, DTypeError, ShapeError, check_flag, describe, dtype_name
 
 Tensor = torch.Tensor
@@ -252,12 +252,6 @@ def _execute(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) ->
     return _raw(kind, x, group, dim, op)
 
 
-def _needs_function(x: Tensor) -> bool:
-    if (torch.is_grad_enabled() and x.requires_grad) or any_tangent((x,)):
-        return True
-    return torch._C._functorch.is_functorch_wrapped_tensor(x)
-
-
 def collective(kind: str, x: Tensor, group: Group, *, dim: int = 0, op: str = "sum", who: str = "") -> Tensor:
     """Run collective ``kind`` on ``x`` over ``group`` and return the (waited) result.
 
@@ -275,7 +269,7 @@ def collective(kind: str, x: Tensor, group: Group, *, dim: int = 0, op: str = "s
         # being traced is not supported, and compiled code is first-order (docs/design.md).
         _validate(kind, x, group, dim, who)
         return _raw(kind, x, group, dim, op)
-    if _needs_function(x):
+    if records((x,)):
         return _Collective.apply(x, kind, group, dim, op, who)
     return _execute(kind, x, group, dim, op, who)
 

@@ -45,7 +45,7 @@ from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad as _forward_ad
 
-from ._backend import any_tangent, forward_ad_active, runs_triton
+from ._backend import any_tangent, forward_ad_active, records, runs_triton
 from ._errors import TransformError
 
 Tensor = torch.Tensor
@@ -133,7 +133,7 @@ class Kernel:
             # Dynamo cannot nest a Function inside the op Function it traces; the opaque
             # custom op (or the plain-torch twin) is all it needs (compiled code is first-order).
             return run(*args)
-        if _needs_autograd(args):
+        if records(args):
             if (
                 run is self.twin
                 and not (self.fast_path or self.quantizes)  # (a quantizing kernel's jvp must refuse)
@@ -148,19 +148,6 @@ class Kernel:
         return f"Kernel({self.name})"
 
 
-def _needs_autograd(args: Sequence[Any]) -> bool:
-    """Whether a launch must be recorded: a tensor argument requires grad, is a torch.func wrapper or
-    carries a forward-mode tangent."""
-    if any_tangent(args):
-        return True
-    grad = torch.is_grad_enabled()
-    for a in args:
-        if isinstance(a, Tensor) and ((grad and a.requires_grad) or _is_wrapped(a)):
-            return True
-    return False
-
-
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _transforms_active = torch._C._are_functorch_transforms_active
 
 

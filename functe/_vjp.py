@@ -53,7 +53,7 @@ import torch
 
 from ._backend import any_tangent
 from ._errors import ArgumentError, RuleError, TransformError, describe, describe_shape
-from ._kernel import forward_tangents, output_strides, refuse_forward_over_forward, with_layout
+from ._kernel import _with, forward_tangents, output_strides, refuse_forward_over_forward, with_layout
 from ._rng import RandomState
 from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 
@@ -155,10 +155,15 @@ def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, l
     return out_leaves, new, layout
 
 
+def _residual_leaves(layout: _Layout, sources: dict) -> list:
+    """The residual leaves ``layout`` describes, taken from ``sources`` (``_IN``/``_OUT``/``_NEW`` lists)."""
+    return [value if kind == _CONST else sources[kind][value] for kind, value in layout.plan]
+
+
 def _pruned(name: str, prune: Callable, layout: _Layout, sources: dict, call: _Call, needs: tuple) -> _Layout:
     """``layout`` with the residuals ``prune`` drops for these gradient needs made constant ``None``s,
     which are not saved (see ``prune_residuals`` in :class:`CustomVJP`)."""
-    leaves = [value if kind == _CONST else sources[kind][value] for kind, value in layout.plan]
+    leaves = _residual_leaves(layout, sources)
     residuals = tree_unflatten(layout.res_tree, leaves)
     kept = prune(residuals, needs_input_grad=needs, **call.static)
     if kept is residuals:  # (nothing dropped: a frozen FP8 state, say)
@@ -533,10 +538,12 @@ class _Batch:
         self.in_meta: list = []
 
     def full(self, tensors) -> list:
-        leaves = list(self.leaves)
-        for i, t in zip(self.positions, tensors):
-            leaves[i] = t
-        return leaves
+        """The op's argument leaves with these (member or batched) tensors in the tensor positions."""
+        return _with(self.leaves, self.positions, tensors)
+
+    def wanted(self, needs_input_grad) -> list[bool]:
+        """Per argument leaf of the op, whether it wants a gradient (the twin's flags are per tensor)."""
+        return _with([False] * len(self.leaves), self.positions, needs_input_grad)
 
     def outputs(self, flat_outs) -> list:
         """The op's output leaves (``None`` where it returned none) from the twin's flat outputs."""
@@ -572,12 +579,10 @@ def _batched_prune(res, *, batch: _Batch, needs_input_grad):
     if batch.prune is None:
         return res
     ins, outs, new, states = res
-    wanted = [False] * len(batch.leaves)
-    for i, flag in zip(batch.positions, needs_input_grad):
-        wanted[i] = flag
+    wanted = batch.wanted(needs_input_grad)
     layout = batch.layout
     sources = {_IN: batch.full(ins), _OUT: batch.outputs(outs), _NEW: new}
-    leaves = [value if kind == _CONST else sources[kind][value] for kind, value in layout.plan]
+    leaves = _residual_leaves(layout, sources)
     needs = argument_needs(wanted, batch.call.in_tree)
     pruned = batch.prune(tree_unflatten(layout.res_tree, leaves), needs_input_grad=needs, **batch.call.static)
     kept = tree_flatten(pruned)[0]
@@ -594,9 +599,7 @@ def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
     ins, outs, new, _ = res
     layout = batch.layout
     n_out = len(cts) - layout.n_new
-    wanted = [False] * len(batch.leaves)
-    for i, flag in zip(batch.positions, needs_input_grad):
-        wanted[i] = flag
+    wanted = batch.wanted(needs_input_grad)
     returned: list[int] = []
 
     def member(ts, member_outs, member_new, out_cts):
@@ -608,7 +611,7 @@ def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
                 for g, meta in zip(ct_leaves, batch.out_meta)
             ]
         sources = {_IN: leaves, _OUT: batch.outputs(member_outs), _NEW: member_new}
-        res_leaves = [value if kind == _CONST else sources[kind][value] for kind, value in layout.plan]
+        res_leaves = _residual_leaves(layout, sources)
         residuals = tree_unflatten(layout.res_tree, res_leaves)
         extra = {"needs_input_grad": argument_needs(wanted, batch.call.in_tree)} if batch.needs else {}
         grads = batch.bwd(residuals, tree_unflatten(layout.out_tree, ct_leaves), **extra, **batch.call.static)

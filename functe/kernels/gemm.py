@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import any_tangent, interpreting, runs_triton
+from .._backend import interpreting, records, runs_triton
 from .._errors import (
     FLOAT_DTYPES,
     ArgumentError,
@@ -926,9 +926,7 @@ def _can_donate(target, args) -> bool:
     if not isinstance(target, Tensor) or torch.compiler.is_compiling():
         return False
     tensors = [a for a in args if isinstance(a, Tensor)]
-    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or any_tangent(tensors):
-        return False
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+    if records(tensors):  # (a write into the caller's buffer must be invisible to every autograd layer)
         return False
     if not target.is_contiguous():
         return False

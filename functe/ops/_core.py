@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._backend import any_tangent
+from .._backend import records
 from .._errors import (
     FLOAT_DTYPES,
     ArgumentError,
@@ -187,13 +187,6 @@ def _add_bwd(_, dy):
 _add_extra_input = custom_vjp("add_extra_input", _add_fwd, _add_bwd)
 
 
-def _donatable(*tensors: Tensor) -> bool:
-    """Whether writing into a caller's buffer is invisible to every autograd layer."""
-    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or any_tangent(tensors):
-        return False
-    return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
-
-
 def add_extra_input(x: Tensor, extra: Tensor, *, in_place: bool = False) -> Tensor:
     """``y = x + extra`` (a residual connection); ``dx = dy`` and ``d_extra = dy``.
 
@@ -218,7 +211,8 @@ def add_extra_input(x: Tensor, extra: Tensor, *, in_place: bool = False) -> Tens
     check_same_dtype("add_extra_input", "extra", extra, x, "x")
     check_same_device("add_extra_input", {"x": x, "extra": extra})
     # (a truthy non-bool, in_place="False", would donate, and overwrite, the caller's buffer)
-    if check_flag("add_extra_input", "in_place", in_place) and _donatable(x, extra) and extra.is_contiguous():
+    # (a donated buffer is written in place: only where no autograd layer records the op)
+    if check_flag("add_extra_input", "in_place", in_place) and not records((x, extra)) and extra.is_contiguous():
         return extra.add_(x)
     return _add_extra_input(x, extra)
 
