@@ -240,7 +240,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
         # (params beyond the passed arguments are defaulted, hence unbatched)
         batched_params = rule is not None and any(d is not None for i, d in enumerate(in_dims) if i in rule.params)
         if rule is None or batched_params:
-            out = torch.vmap(twin, in_dims=tuple(in_dims))(*args)
+            out = vmap_call(twin, tuple(in_dims), args)
         else:
             moved = [
                 _to_front(a, d, info.batch_size) if i not in rule.params else a
@@ -352,3 +352,66 @@ def _to_front(value: Any, dim: int | None, size: int) -> Any:
     if dim is None:
         return value.expand(size, *value.shape)
     return value.movedim(dim, 0)
+
+
+def vmap_call(fn: Callable, in_dims: Any, args: tuple, *, randomness: str = "error") -> Any:
+    """``torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*args)``, also for an
+    empty vmapped batch.
+
+    torch 2.13's batching rules fail on some ops over 0 members (``v * s`` with a batched 0-d ``s``
+    raises "select(): index 0 out of range"), so a batch of 0 runs one zero-filled member under a
+    forked RNG (no draw leaks) and returns its outputs' first 0 rows. ``in_dims`` is an int, ``None``
+    or nested tuples matching ``args`` (the forms functe passes).
+    """
+    size = _batch_size(in_dims, args)
+    if size != 0:
+        return torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*args)
+    padded = _pad_member(in_dims, args)
+    devices = sorted({str(t.device) for t in _tensors(args) if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        out = torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*padded)
+    return _first_rows(out)
+
+
+def _batch_size(dims: Any, value: Any) -> int | None:
+    if isinstance(dims, tuple):
+        sizes = [_batch_size(d, v) for d, v in zip(dims, value)]
+        return next((s for s in sizes if s is not None), None)
+    if isinstance(dims, int) and isinstance(value, tuple):
+        return _batch_size(tuple(dims for _ in value), value)
+    return value.shape[dims] if isinstance(dims, int) and isinstance(value, Tensor) else None
+
+
+def _pad_member(dims: Any, value: Any) -> Any:
+    if isinstance(dims, tuple):
+        return tuple(_pad_member(d, v) for d, v in zip(dims, value))
+    if isinstance(dims, int) and isinstance(value, tuple):
+        return tuple(_pad_member(dims, v) for v in value)
+    if isinstance(dims, int) and isinstance(value, Tensor):
+        shape = list(value.shape)
+        shape[dims] = 1
+        return value.new_zeros(shape)
+    return value
+
+
+def _first_rows(out: Any) -> Any:
+    if isinstance(out, tuple):
+        return tuple(_first_rows(o) for o in out)
+    return out[:0] if isinstance(out, Tensor) else out
+
+
+def _tensors(value: Any):
+    if isinstance(value, tuple | list):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, Tensor):
+        yield value
+
+
+def under_empty_vmap() -> bool:
+    """Whether a ``vmap`` over 0 members is active (a backward rule then runs on batched tensors of
+    no members, where torch 2.13's batching rules fail on ``x * s`` with a 0-d ``s``: see
+    :func:`vmap_call`)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+        return False  # (functe refuses compiled transforms, docs/design.md: no vmap when compiling)
+    return any(i.key() == TransformType.Vmap and i.batch_size() == 0 for i in retrieve_all_functorch_interpreters())

@@ -53,7 +53,15 @@ import torch
 
 from ._backend import any_tangent
 from ._errors import ArgumentError, RuleError, TransformError, describe, describe_shape
-from ._kernel import _with, forward_tangents, output_strides, refuse_forward_over_forward, with_layout
+from ._kernel import (
+    _with,
+    forward_tangents,
+    output_strides,
+    refuse_forward_over_forward,
+    under_empty_vmap,
+    vmap_call,
+    with_layout,
+)
 from ._rng import RandomState
 from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
 
@@ -560,7 +568,7 @@ def _batched_fwd(*tensors, batch: _Batch):
         batch.in_meta = [(t.shape, t.dtype) if isinstance(t, Tensor) else None for t in leaves]
         return (*(o for o in out_leaves if o is not None), *new)
 
-    flat = torch.vmap(member, in_dims=batch.dims, out_dims=0, randomness=batch.random)(*tensors)
+    flat = vmap_call(member, batch.dims, tensors, randomness=batch.random)
     plan = batch.layout.plan
     used_in = {i for kind, i in plan if kind == _IN}
     used_out = {j for kind, j in plan if kind == _OUT}
@@ -626,7 +634,7 @@ def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
 
     out_cts = tuple(cts[:n_out])
     in_dims = (dims(ins, batch.dims), dims(outs, 0), dims(new, 0), dims(out_cts, 0))
-    grads = torch.vmap(member, in_dims=in_dims, out_dims=0, randomness=batch.random)(ins, outs, new, out_cts)
+    grads = vmap_call(member, in_dims, (ins, outs, new, out_cts), randomness=batch.random)
     result = [None] * len(ins)
     for k, g in zip(returned, grads):
         # (an unbatched input gets the sum of the members' cotangents)
@@ -704,6 +712,15 @@ def _make_function(
             for i, (g, meta) in enumerate(zip(out_cts, ctx.out_meta)):
                 if g is None and meta is not None:
                     out_cts[i] = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
+        if under_empty_vmap():
+            # vmap(grad(f)) over 0 members: no member has a value, only shapes (the rule's own torch
+            # ops may fail on empty batches, see vmap_call)
+            device = next(g.device for g in grads if g is not None)
+            flat = [
+                torch.zeros(meta[0], dtype=meta[1], device=device) if meta is not None and wants else None
+                for meta, wants in zip(ctx.in_meta, ctx.needs_input_grad[1:])
+            ]
+            return (None, *flat)
         # (ctx.needs_input_grad's first entry is the call)
         extra = {"needs_input_grad": argument_needs(ctx.needs_input_grad[1:], call.in_tree)} if needs_input_grad else {}
         cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **extra, **call.static)

@@ -130,6 +130,27 @@ def test_an_empty_vmapped_batch_of_per_example_gradients():
     assert vmap(step, in_dims=(0, 0, None))(torch.randn(0, 8, 8), states, torch.randn(3, 8)).shape == (0, 8, 8)
 
 
+@pytest.mark.parametrize("recipe", [functe.CurrentScaling(), functe.DelayedScaling(amax_history_len=2)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_linear_over_an_empty_vmapped_batch(recipe, fused):
+    # torch 2.13's batching rules fail on `x * s` with a 0-d batched s when there are 0 members
+    # (the FP8 cast's scale): the batched twin runs a padded member, a backward rule under vmap(grad)
+    # answers zeros of the members' shapes
+    state = functe.init_linear_scaling_state(recipe) if isinstance(recipe, functe.DelayedScaling) else None
+
+    def f(x, w, state):
+        return ops.fp8_linear(ops.gelu(x), w, None, state, recipe=recipe)
+
+    f = functe.fuse(f) if fused else f
+    xs, w = torch.randn(0, 3, 16), torch.randn(8, 16, requires_grad=True)
+    y = vmap(f, in_dims=(0, None, None))(xs, w, state)
+    assert y.shape == (0, 3, 8)
+    (gw,) = torch.autograd.grad(y.sum(), w)
+    assert torch.equal(gw, torch.zeros(8, 16))
+    gx = vmap(grad(lambda x, w, s: f(x, w, s).sum()), in_dims=(0, None, None))(xs, w.detach(), state)
+    assert gx.shape == (0, 3, 16)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_block_with_unused_outputs_under_grad_of_vmap(fused):
     # layer_norm's op also returns its row statistics, which nobody uses: their cotangents are
