@@ -42,7 +42,7 @@ import torch
 
 from . import _trace
 from ._backend import any_tangent
-from ._errors import ArgumentError, TraceError, describe
+from ._errors import ArgumentError, TraceError, TransformError, describe
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._recipe import check_recipe
 from ._rng import RandomState
@@ -848,7 +848,13 @@ class Fused:
                     return variant.eager(*tensors)
         if plan.checks_captured and torch.is_grad_enabled():
             plan.check_captured(None)
-        return plan.infer(*tensors)
+        try:
+            return plan.infer(*tensors)
+        except TransformError as error:  # (a kernel's refusal, e.g. forward-mode AD through FP8: name the program)
+            prefix = f"functe.fuse({self.__name__}):"
+            if str(error).startswith(prefix):
+                raise
+            raise TransformError(f"{prefix} {error}") from None
 
     def _plan_and_tensors(self, args, kwargs) -> tuple[Plan, list[Tensor]]:
         index, tensors = self._lookup(args, kwargs)

@@ -844,6 +844,7 @@ def test_forward_mode_through_a_fused_norm_cast_refuses_as_unfused(recipe):
     fused = functe.fuse(model, recipe=recipe)
     x, g, w = make((4, 16)), make((16,)), make((16, 16))
     assert fused.plan(x, g, w).stats["forward"].fired == {"forward_norm_quantize": 1}
-    for fn in (model, fused):
-        with pytest.raises(functe.TransformError, match="forward-mode derivatives"):
+    # (each error names what the user called: the op, or the fused program, before the kernel)
+    for fn, called in ((model, r"functe\.fp8_linear"), (fused, r"functe\.fuse\(<lambda>\)")):
+        with pytest.raises(functe.TransformError, match=rf"^{called}: functe\.\w+: forward-mode derivatives"):
             torch.func.jvp(lambda x, fn=fn: fn(x, g, w), (x,), (torch.ones_like(x),))
