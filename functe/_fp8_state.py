@@ -139,8 +139,8 @@ def delayed_scaling_update(state: ScalingState, amax: Tensor, *, recipe: Delayed
     1. ``history[0] = amax``; the window amax is ``max(history)`` (``"max"``) or ``history[0]``
        (``"most_recent"``);
     2. the history rolls by -1 and slot 0 is cleared;
-    3. ``scale = (fp8_max / amax) / 2**margin``, keeping the old scale when the amax is 0, inf or
-       NaN, and FLT_MAX instead of an infinite scale.
+    3. ``scale = (fp8_max / amax) / 2**margin``, keeping the old scale unless the amax is positive
+       and finite (0, inf, NaN, or a negative value), and FLT_MAX instead of an infinite scale.
 
     Example:
         >>> import torch, functe
@@ -167,7 +167,8 @@ def update_state(state: ScalingState, amax: Tensor, *, recipe: DelayedScaling, r
     # torch.full_like(...) / window, not fp8_max / window: a Python number divided by a tensor is
     # computed as reciprocal(window) * fp8_max, one rounding too many for TE's exact formula.
     scale = (torch.full_like(window, recipe.max(role)) / window) / float(2**recipe.margin)
-    keep = (window == 0) | ~torch.isfinite(window)
+    # (TE's amax > 0 test: a negative amax, only a caller's mistake, keeps the scale as 0 and NaN do)
+    keep = ~((window > 0) & torch.isfinite(window))
     scale = torch.where(keep, state.scale, scale)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
     return ScalingState(scale=scale, amax_history=_roll_and_clear(history))

@@ -291,6 +291,9 @@ def quantize(
                 f"(the recipe's amax_history_len), got {state.amax_history.shape[-1]}"
             )
         check_same_device("quantize", {"x": x, "state.scale": state.scale, "state.amax_history": state.amax_history})
+        # (not differentiable, as x: a transform differentiating the state reached the cast kernel's
+        # second-order refusal)
+        state = ScalingState(scale=state.scale.detach(), amax_history=state.amax_history.detach())
         data, scale, amax = cast(x, recipe, role, state.scale, qdtype)
         new_state = update_state(state, amax, recipe=recipe, role=role)
         return QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), block_scales=None), new_state

@@ -134,9 +134,14 @@ class DelayedScaling(_Recipe):
 
     def __post_init__(self):
         _check_format("DelayedScaling", self.fp8_format, (Format.E4M3, Format.HYBRID))
-        # (|margin| <= 127: 2**margin stays a finite float32 factor; 2000 failed at the first update)
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or abs(self.margin) > 127:
-            raise RecipeError(f"functe.DelayedScaling: margin must be an int in [-127, 127], got {self.margin!r}")
+        # (margin >= -127: 2**margin stays a finite float32 factor, 2000 failed at the first update;
+        # margin <= 30: (448 / FLT_MAX) / 2**31 rounds to 0, a scale that casts everything to 0 and
+        # that the state protocol would read as a cut scale leaf, see state_from_gradient)
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not -127 <= self.margin <= 30:
+            raise RecipeError(
+                f"functe.DelayedScaling: margin must be an int in [-127, 30] (a larger margin can round a "
+                f"scale to 0), got {self.margin!r}"
+            )
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
             raise RecipeError(f"functe.DelayedScaling: amax_history_len must be an int, got {self.amax_history_len!r}")
         if self.amax_history_len < 1:

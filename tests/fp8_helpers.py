@@ -69,7 +69,7 @@ def py_delayed_update(scale, history, amax, *, fp8_max, margin, algo):
         window = history[0]
     with np.errstate(all="ignore"):
         new = (f32(fp8_max) / window) / f32(2.0**margin)
-    if window == 0 or not math.isfinite(window):
+    if not (window > 0) or not math.isfinite(window):  # (TE: torch.where(amax > 0.0, sf, scale))
         new = f32(scale)
     if math.isinf(new):
         new = f32(np.finfo(np.float32).max)

@@ -230,6 +230,19 @@ def test_second_order_raises():
         torch.func.grad(lambda x: g(x).sum())(make((4, 16)))
 
 
+def test_quantize_is_not_differentiable_in_its_state_either():
+    # quantize detached x but not the state: torch.func.grad over the state reached the cast kernel's
+    # "second order through a quantized linear" refusal on a first-order call, and plain autograd
+    # returned a scale_inv that required grad
+    recipe = DelayedScaling(amax_history_len=2)
+    x, state = make((4, 8)), functe.init_scaling_state(2)
+    g = torch.func.grad(lambda s: functe.dequantize(functe.quantize(x, recipe, state=s)[0]).sum())(state)
+    assert torch.equal(g.scale, torch.zeros(())) and torch.equal(g.amax_history, torch.zeros(2))
+    tracked = functe.tree_map(lambda t: t.clone().requires_grad_(), state)
+    q, new = functe.quantize(x, recipe, state=tracked)
+    assert not q.scale_inv.requires_grad and not new.scale.requires_grad
+
+
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=2), functe.CurrentScaling()], ids=str)
 def test_second_order_raises_with_a_plain_sum_loss(recipe):
     # d/dw of the x-gradient: with .sum() the cotangent is a constant and the quantized w an

@@ -11,7 +11,7 @@ import torch
 from fp8_helpers import py_delayed_update
 
 import functe
-from functe import DelayedScaling, Format
+from functe import DelayedScaling, Format, ops
 from functe._fp8_state import FLT_MAX, as_cotangent
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -48,8 +48,9 @@ def test_formats_map_roles_to_dtypes():
         (lambda: DelayedScaling(fp8_format="HYBRID"), r"fp8_format must be a functe.Format, got 'HYBRID'"),
         (lambda: DelayedScaling(amax_history_len=0), r"amax_history_len must be >= 1, got 0"),
         (lambda: DelayedScaling(amax_history_len=2.0), r"amax_history_len must be an int"),
-        (lambda: DelayedScaling(margin=0.5), r"margin must be an int in \[-127, 127\], got 0.5"),
-        (lambda: DelayedScaling(margin=2000), r"margin must be an int in \[-127, 127\], got 2000"),
+        (lambda: DelayedScaling(margin=0.5), r"margin must be an int in \[-127, 30\] .*, got 0.5"),
+        (lambda: DelayedScaling(margin=2000), r"margin must be an int in \[-127, 30\] .*, got 2000"),
+        (lambda: DelayedScaling(margin=31), r"a larger margin can round a scale to 0\), got 31"),
         (lambda: DelayedScaling(amax_compute_algo=max), r"amax_compute_algo must be 'max' or 'most_recent'"),
         (lambda: functe.CurrentScaling(amax_epsilon=-1.0), r"amax_epsilon must be a finite number >= 0"),
         (lambda: functe.CurrentScaling(power_2_scales=1), r"power_2_scales must be a bool"),
@@ -105,6 +106,24 @@ def test_update_special_cases_explicitly():
     state = upd(state, float("nan"))
     assert state.scale.item() == 64.0  # NaN in the window keeps the old scale
     assert math.isnan(state.amax_history[-1].item())
+    recent = DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent")
+    state = functe.delayed_scaling_update(functe.init_scaling_state(1), torch.tensor(-3.0), recipe=recent, role="input")
+    assert state.scale.item() == 1.0  # a negative amax keeps the old scale (TE's amax > 0 test), not -149.3
+
+
+def test_the_largest_margin_keeps_a_positive_scale_and_a_valid_state():
+    # margin 127 was accepted: (448 / 1e10) / 2**127 is 0, a scale that value_and_grad's check then
+    # reported as "used more than once" (and check=False turned into NaN). Margins stop at 30, where
+    # even an amax of FLT_MAX leaves the smallest subnormal.
+    recipe = DelayedScaling(margin=30, amax_history_len=1)
+    state = functe.delayed_scaling_update(
+        functe.init_scaling_state(1), torch.tensor(FLT_MAX), recipe=recipe, role="input"
+    )
+    assert state.scale.item() > 0
+    loss = lambda w, s, x: ops.fp8_linear(x, w, None, s, recipe=recipe).sum()
+    x = torch.full((2, 16), 1e30)
+    _, _, new = functe.value_and_grad(loss)(torch.ones(8, 16), functe.init_linear_scaling_state(recipe), x)
+    assert new.input.scale.item() > 0 and new.input.amax_history.item() == 0.0
 
 
 def test_current_scale_rules():
