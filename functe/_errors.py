@@ -48,6 +48,8 @@ def describe(value: Any) -> str:
         return f"{dtype_name(value.dtype)}[{dims}]"
     if value is None:
         return "None"
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)  # (torch.float64, cuda:0: the value is what the message needs)
     return type(value).__name__
 
 

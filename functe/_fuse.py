@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import itertools
 import linecache
 import math
@@ -1078,11 +1079,35 @@ def explain(fn: Callable, *args, rules=None, recipe: Any = None, **kwargs) -> No
           in (c,) }
         residuals kept for the backward plan: linear, constant_scale
     """
+    given = {name: value for name, value in (("rules", rules), ("recipe", recipe)) if value is not None}
     if isinstance(fn, Fused):
-        fused = fn
+        # (a fused function has its own rules and recipe: these keywords can only be fn's)
+        for name in given:
+            if not _takes_keyword(fn.__wrapped__, name):
+                raise ArgumentError(
+                    f"functe.explain: {name}= is ignored for the fused function {fn.__name__}, which uses its "
+                    f"own (set it with functe.fuse(fn, {name}=...)), and {fn.__name__} takes no {name!r}"
+                )
+        fused, kwargs = fn, {**given, **kwargs}
     else:
+        for name in given:
+            if _takes_keyword(fn, name):  # (explain would take the keyword and trace fn without it)
+                raise ArgumentError(
+                    f"functe.explain: {name}= is fuse's {name}, but {getattr(fn, '__name__', fn)} also takes "
+                    f"{name!r}: explain the fused function, which passes it on: "
+                    f"functe.explain(functe.fuse(fn), *args, {name}=...)"
+                )
         fused = Fused(fn, _check_rules("explain", rules), _check_fuse_recipe("explain", recipe))
     print(fused.plan(*args, **kwargs).explain())
+
+
+def _takes_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` accepts a keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # (a builtin without a signature)
+        return False
+    return any((p.name == name and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD for p in parameters)
 
 
 # ----------------------------------------------------------------------------- torch.compile

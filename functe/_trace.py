@@ -724,7 +724,16 @@ def _div(a, b):
     if not _is_number(b):
         raise TraceError(f"functe.trace: {describe(a)} / {describe(b)}: only division by a Python number is recorded")
     # x / ±0 is x · ±inf elementwise (±inf, or NaN for x = 0), as torch computes it
-    return _scale(a, 1.0 / b if b else math.copysign(math.inf, b))
+    inverse = 1.0 / b if b else math.copysign(math.inf, b)
+    # (1/c must be a normal number where the scale is applied: for a tiny c it overflows to inf, for a
+    # huge c it is subnormal and loses bits; either breaks the within-an-ulp promise)
+    limits = torch.finfo(torch.float64 if isinstance(a, Tensor) and a.dtype == torch.float64 else torch.float32)
+    if b and math.isfinite(b) and not limits.tiny <= abs(inverse) <= limits.max:
+        raise TraceError(
+            f"functe.trace: {describe(a)} / {b!r}: 1/{b!r} is not a normal {limits.dtype} number, so x / c "
+            f"cannot be recorded as x * (1/c) within an ulp; use functe.opaque(lambda x: x / {b!r})"
+        )
+    return _scale(a, inverse)
 
 
 def _sub(a, b, *, alpha=1):
@@ -772,11 +781,14 @@ def _to(x, *args, **kwargs):
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
             target += [a.dtype, a.device]
-        elif isinstance(a, (torch.dtype, torch.device, str)):
+        elif isinstance(a, torch.dtype):
             target.append(a)
-    if all(t in (x.dtype, x.device, str(x.device)) for t in target) and not kwargs.get("copy", False):
+        elif isinstance(a, (torch.device, str)):
+            device = torch.device(a)  # (the CPU is one device: "cpu:0" is x's "cpu")
+            target.append(x.device if device.type == x.device.type == "cpu" else device)
+    if all(t in (x.dtype, x.device) for t in target) and not kwargs.get("copy", False):
         return x
-    raise _unsupported(Tensor.to, (x, *args))
+    raise _unsupported(Tensor.to, (x, *args), kwargs)
 
 
 T = Tensor

@@ -229,6 +229,25 @@ def test_condition_reason_is_reported_and_the_rule_does_not_fire():
     assert stats.fired == {"linear_bias_add_half_only": 1}
 
 
+def test_a_failing_condition_or_rewrite_names_the_rule_and_a_bool_condition_is_refused():
+    # a raising condition escaped as a bare KeyError; True/False were taken as decline reasons, so the
+    # rule silently never fired
+    program = functe.trace(lambda x, w, r: ops.linear(x, w) + r)(X, W, R)
+    base = FORWARD_LINEAR_BIAS_ADD
+
+    def rule(**kw):
+        return RuleSet([Rule("mine", "forward", base.pattern, kw.get("rewrite", base.rewrite), kw.get("condition"))])
+
+    at = r"\(matched at add_extra_input -> f32\[4,6\]\)"
+    with pytest.raises(functe.RuleError, match=rf"rule mine: its condition raised KeyError: 'lin' {at}"):
+        rewrite(program, rule(condition=lambda m: m.params("lin")), "forward")
+    with pytest.raises(functe.RuleError, match=rf"rule mine: its rewrite raised ZeroDivisionError: .* {at}"):
+        rewrite(program, rule(rewrite=lambda m: 1 / 0), "forward")
+    for value in (True, False):
+        with pytest.raises(functe.RuleError, match=rf"condition must return a reason string .* got {value} {at}"):
+            rewrite(program, rule(condition=lambda m, v=value: v), "forward")
+
+
 def test_earlier_rules_win_and_each_match_counts():
     # Two residual blocks (the first block's output, a match's root, may have many consumers).
     def fn(x, w, r):
@@ -355,3 +374,22 @@ def test_explain_prints_plans_fired_and_declined(capsys):
         in text
     )
     assert text.startswith("functe.fuse(fn): program as traced\n{ lambda a:f32[4,8]")
+
+
+def test_explain_does_not_take_a_keyword_that_is_also_fns(capsys):
+    # explain(block, x, w, recipe=r) took r as fuse's recipe and traced block with recipe=None: it
+    # printed a plain linear program while fuse(block)(x, w, recipe=r) runs fp8_linear
+    recipe = functe.DelayedScaling()
+
+    def block(x, w, recipe=None):
+        if recipe is None:
+            return ops.linear(x, w)
+        return ops.fp8_linear(x, w, None, functe.init_linear_scaling_state(recipe), recipe=recipe)
+
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    with pytest.raises(functe.ArgumentError, match=r"recipe= is fuse's recipe, but block also takes 'recipe'"):
+        functe.explain(block, x, w, recipe=recipe)
+    functe.explain(functe.fuse(block), x, w, recipe=recipe)  # (a fused function passes it on)
+    assert "fp8_linear" in capsys.readouterr().out
+    with pytest.raises(functe.ArgumentError, match=r"rules= is ignored for the fused function <lambda>"):
+        functe.explain(functe.fuse(lambda x, w: ops.linear(x, w)), x, w, rules=DEFAULT_RULES)

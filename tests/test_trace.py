@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import re
 import weakref
 
 import pytest
@@ -101,6 +102,23 @@ def test_trace_errors_name_the_call():
         functe.trace(lambda x: bool(x))(x)
     with pytest.raises(functe.TraceError, match=r"Tensor\.__getitem__"):
         functe.trace(lambda x: x[0])(x)
+    # (keywords are named with their values: this said only "Tensor.to(f32[2,3])")
+    with pytest.raises(functe.TraceError, match=r"Tensor\.to\(f32\[2,3\], dtype=torch\.float64\)"):
+        functe.trace(lambda x: x.to(dtype=torch.float64))(x)
+    assert "constant_scale" in str(functe.trace(lambda x: x.to("cpu:0") * 2.0)(x))  # (a no-op: recorded)
+
+
+@pytest.mark.parametrize(("dtype", "c"), [(torch.float32, 1e-40), (torch.float32, 3e38), (torch.float64, 1e-310)])
+def test_division_by_a_constant_whose_inverse_is_not_normal_is_refused(dtype, c):
+    # x / c is recorded as x * (1/c): for a subnormal c, 1/c overflowed (fused x / 1e-40 gave inf where
+    # torch gives 1e5), for a huge c it is subnormal and lost bits
+    message = rf"/ {re.escape(repr(c))}: 1/{re.escape(repr(c))} is not a normal {str(dtype)[6:]} .*functe\.opaque"
+    with pytest.raises(functe.TraceError, match=message):
+        functe.trace(lambda x: x / c)(torch.ones(3, dtype=dtype))
+    x = torch.tensor([1e-35, -2e-35, 3e38], dtype=dtype)
+    fused = functe.fuse(lambda x: functe.opaque(lambda x: x / c)(x) * 2.0)
+    assert torch.equal(fused(x), x / c * 2.0)
+    assert torch.equal(functe.fuse(lambda x: x / 1e-30)(x), x * (1.0 / 1e-30))  # (normal: recorded)
 
 
 def test_public_op_validation_still_applies_while_tracing():

@@ -436,11 +436,18 @@ class _Rewriter:
         position = {e: i for i, e in enumerate(g.oplist.eqns)}
         covered = tuple(sorted(state.covered, key=position.__getitem__))
         m = Match(rule, state.captures, state.eqns, state.edges, covered, _external_outputs(covered, g), self.recipe)
-        reason = rule.condition(m) if rule.condition is not None else None
+        where = f"{root.name} -> {_describe_outputs(root)}"
+        reason = _user_call(rule, "condition", where, rule.condition, m) if rule.condition is not None else None
         if reason is not None:
+            if not isinstance(reason, str):
+                # (a bool reads naturally as "applies?" but True would be taken as a reason to decline)
+                raise RuleError(
+                    f"rule {rule.name}: condition must return a reason string to decline or None to fire, "
+                    f"got {reason!r} (matched at {where})"
+                )
             self._decline(rule, root, reason)
             return None
-        fused = rule.rewrite(m)
+        fused = _user_call(rule, "rewrite", where, rule.rewrite, m)
         if not isinstance(fused, Eqn):
             raise RuleError(f"rule {rule.name}: rewrite must return an Eqn, got {type(fused).__name__}")
         missing = [v for v in m.outputs if not any(v is o for o in fused.outputs)]
@@ -462,6 +469,18 @@ class _Rewriter:
         new = g.oplist.replace(eqns=tuple(order))
         check_oplist(new)
         return new
+
+
+def _user_call(rule: Rule, part: str, where: str, fn: Callable, m: Match):
+    """A rule's condition or rewrite, whose own errors name the rule and the match they came from."""
+    try:
+        return fn(m)
+    except FuncteError:
+        raise
+    except Exception as error:
+        raise RuleError(
+            f"rule {rule.name}: its {part} raised {type(error).__name__}: {error} (matched at {where})"
+        ) from error
 
 
 def _describe_outputs(eqn: Eqn) -> str:
