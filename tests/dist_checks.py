@@ -590,3 +590,19 @@ def data_parallel_step() -> None:
     mixed = functe.all_reduce_gradients(mixed)
     assert mixed["a"].tolist() == [(world() - 1) / 2] * 2 and mixed["h"].dtype == torch.bfloat16
     assert math.isclose(mixed["h"][0].item(), 1.0)
+    # FP8 replicas reduce their amaxes over the world (amax_group) so their states agree; fused, the
+    # q-in and dact + cast fusions fired and each replica's state followed its own batch
+    recipe = functe.DelayedScaling(amax_history_len=2)
+
+    def block(x, w, state):
+        return ops.gelu(ops.fp8_linear(ops.gelu(x), w, None, state, recipe=recipe, amax_group=dist.group.WORLD))
+
+    def fp8_loss(block, params, state, x):
+        return block(x, params["w"], state).square().mean()
+
+    xr = seeded((4, 8), seed=1104, scale=1.0 + 10.0 * rank())  # (each replica sees other magnitudes)
+    fp8_params, state = {"w": seeded((8, 8), seed=1105)}, functe.init_linear_scaling_state(recipe)
+    _, _, unfused = functe.value_and_grad(functools.partial(fp8_loss, block))(fp8_params, state, xr)
+    _, _, fused = functe.value_and_grad(functools.partial(fp8_loss, functe.fuse(block)))(fp8_params, state, xr)
+    for a, b in zip(functe.tree_leaves(unfused), functe.tree_leaves(fused)):
+        assert torch.equal(a, b) and same_on_all_ranks(b)

@@ -91,7 +91,8 @@ def any_parallel_reason(m: Match) -> str | None:
 
     The fused FP8 ops (q-in casts, dact + dbias + cast) call the linear's quantized forward or
     backward directly, which neither reduces amaxes across ranks (TE's reduce_amax) nor
-    communicates activations, so any tensor-parallel mode keeps the unfused ops.
+    communicates activations, so any tensor-parallel mode, and an ``amax_group`` of more than one
+    rank (data-parallel replicas), keeps the unfused ops.
 
     Example (an FP8 linear without parallelism fuses with its activation's backward):
         >>> import torch, functe
@@ -108,6 +109,15 @@ def any_parallel_reason(m: Match) -> str | None:
             f"{p.mode} tensor-parallel {eqn.name}: the fused FP8 op neither reduces amaxes across ranks "
             "nor communicates, so the linear keeps its own rules"
         )
+    for eqn in m.covered:
+        # (data parallelism: no tensor-parallel mode, but amaxes MAX-reduced over the replicas so their
+        # states agree; fused, each replica's state silently followed its own batch)
+        p = eqn.params.get("parallel")
+        if p is not None and p.amax_group.size > 1:
+            return (
+                f"{eqn.name} reduces its amaxes over {p.amax_group.size} ranks (amax_group), which the fused FP8 "
+                "op does not do, so the linear keeps its own rules"
+            )
     return None
 
 
