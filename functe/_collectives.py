@@ -79,6 +79,12 @@ def resolve_group(op: str, group: object, arg: str = "group") -> Group:
         if not (dist.is_available() and dist.is_initialized()):
             return SINGLE
         group = dist.group.WORLD
+    if dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ArgumentError(
+            f"functe.{op}: argument '{arg}': this rank ({dist.get_rank()}) is not a member of that group "
+            "(torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER on ranks outside it): only its "
+            "members may run a collective over it"
+        )
     if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise ArgumentError(
             f"functe.{op}: argument '{arg}' expected a torch.distributed.ProcessGroup or None, "
@@ -123,12 +129,17 @@ def collective_checks(enabled: bool) -> Iterator[None]:
 
 
 # dtype codes for the signature (a dtype missing here gets -1 and is compared by that)
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, *_FP8, torch.int64, torch.int32, torch.uint8)
+# Every torch dtype, in a fixed order (the same torch on every rank): a dtype's code in a signature is its
+# index, so no two dtypes share one (unlisted dtypes shared -1, and int8 on one rank met bool on another)
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _MAX_DIMS = 12  # listed one by one; any further dims enter a checksum
 
 
+_RAISING = len(KINDS)  # the kind code of a rank meeting the check only to raise its own error
+
+
 def _signature(kind: str, x: Tensor, dim: int, op: str) -> list[int]:
-    code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
+    code = _DTYPES.index(x.dtype)
     dims = list(x.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(x.dim(), _MAX_DIMS))
     rest = zlib.crc32(repr(tuple(x.shape[_MAX_DIMS:])).encode())
     return [KINDS.index(kind), dim, REDUCTIONS.index(op), code, x.dim(), x.numel(), *dims, rest]
@@ -139,7 +150,7 @@ def _describe_signature(sig: list[int]) -> str:
     shape = ",".join(str(d) for d in sig[6 : 6 + min(ndim, _MAX_DIMS)])
     if ndim > _MAX_DIMS:
         shape += f",...(checksum {sig[6 + _MAX_DIMS]:08x})"
-    args = [f"{dtype_name(_DTYPES[code]) if code >= 0 else '?'}[{shape}]"]
+    args = [f"{dtype_name(_DTYPES[code])}[{shape}]"]
     if kind != "all_reduce":
         args.append(f"dim={dim}")
     if kind != "all_gather":
@@ -169,6 +180,13 @@ def _check(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> N
     rows = _from_every_rank(_signature(kind, x, dim, op), x.device, group)
     if all(row == rows[0] for row in rows):
         return
+    raising = [r for r, row in enumerate(rows) if row[0] == _RAISING]
+    if raising:
+        ranks = ", ".join(str(r) for r in raising)
+        raise DistributedError(
+            f"functe.{who}: rank(s) {ranks} of {group!r} raised an argument error instead of joining this "
+            "collective (their error says which argument), so this rank stops too"
+        )
     listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
     if any((row[0], row[2]) != (rows[0][0], rows[0][2]) for row in rows):
         raise DistributedError(
@@ -192,15 +210,17 @@ def check_same_layout(layout: str, like: Tensor, group: Group, who: str) -> None
         )
 
 
-def meet_before_raising(kind: str, x: Tensor, group: Group, who: str) -> None:
-    """Run the cross-rank check of collective ``kind`` on ``x`` (any outcome) before this rank raises
-    a local argument error, so that ranks whose arguments were fine, waiting in that collective's
-    check, raise with it instead of hanging; ranks failing alike pass the check and raise alike."""
+def meet_before_raising(x: Tensor, group: Group) -> None:
+    """Join the cross-rank check of whatever collective the other ranks run next, saying this rank
+    raises, before it raises a local argument error: ranks whose arguments were fine, waiting in that
+    check, raise a DistributedError naming this rank instead of hanging (or, before, reading this
+    rank's stand-in as another collective). Ranks failing alike meet alike and raise their own errors."""
     if group.size == 1 or _skip_check(x):
         return
+    mine = [_RAISING] + [0] * (len(_signature("all_reduce", x, 0, "sum")) - 1)
     try:
-        _check(kind, x, group, 0, "sum", who)
-    except Exception:  # (a mismatch, or a group that cannot communicate): the caller's own error says more
+        _from_every_rank(mine, x.device, group)
+    except Exception:  # (a group that cannot communicate): the caller's own error says more
         pass
 
 

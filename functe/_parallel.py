@@ -124,9 +124,9 @@ def linear_parallelism(
     if tp.size == 1:
         mode, sequence_parallel = None, False
     if sequence_parallel and (problem := _sequence_parallel_problem(op, x, mode, tp)):
-        # Ranks whose x is fine are already waiting in this linear's first collective: meet them there.
-        kind = "all_gather" if mode == "column" else "reduce_scatter"
-        meet_before_raising(kind, x, tp, f"{op}: {kind.replace('_', '-')} ({mode}+sp)")
+        # Ranks whose x is fine are already waiting in this linear's first collective (an all-gather,
+        # a reduce-scatter, or current scaling's amax reduction): meet them there.
+        meet_before_raising(x, tp)
         raise problem
     if mode is None and (not fp8 or amax.size == 1):
         return None

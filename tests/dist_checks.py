@@ -516,7 +516,26 @@ def sequence_parallel_error_on_one_rank() -> list[str]:
         lambda: ops.fp8_linear(
             torch.ones(4 - r, 4), part(w, 1), None, None, recipe=RECIPES["current"], tensor_parallel_mode="row", **sp
         ),
+        # (column+sp under current scaling: the first collective is the amax reduction, not the all-gather)
+        lambda: ops.fp8_linear(
+            torch.ones(2, 8) if r == 0 else torch.ones(8),
+            w,
+            None,
+            None,
+            recipe=RECIPES["current"],
+            tensor_parallel_mode="column",
+            **sp,
+        ),
     ]
+    return _errors_of(cases)
+
+
+def group_and_dtype_errors() -> list[str]:
+    """A group this rank is not in, and dtypes the signature once coded alike (int8 vs bool)."""
+    outside = dist.new_group([1])  # (every rank calls new_group; rank 0 gets NON_GROUP_MEMBER)
+    cases = [lambda: ops.all_gather(torch.ones(3, dtype=torch.int8 if rank() == 0 else torch.bool))]
+    if rank() == 0:
+        cases.append(lambda: ops.all_gather(torch.ones(2), group=outside))
     return _errors_of(cases)
 
 

@@ -284,8 +284,23 @@ def test_a_local_sequence_parallel_error_on_one_rank_raises_on_every_rank(pool):
     assert failing[0].startswith("ShapeError: functe.linear: argument 'x' expected dim 0 divisible by the")
     assert failing[1].startswith("ShapeError: functe.linear: argument 'x' expected rank >= 2 with sequence")
     assert failing[2].startswith("ShapeError: functe.fp8_linear: argument 'x' expected dim 0 divisible by")
-    assert all(m.startswith(("ShapeError: functe.", "DistributedError: functe.")) for m in ok), ok
-    assert "reduce_scatter(f32[4,2,4], dim=0, sum), rank 1 calls reduce_scatter(f32[3,2,4]" in ok[0]
+    assert failing[3].startswith("ShapeError: functe.fp8_linear: argument 'x' expected rank >= 2 with sequence")
+    # (the valid rank learns that rank 1 raised; under current scaling it said the ranks ran different
+    # collectives, reading rank 1's stand-in all-gather against its own amax all-reduce)
+    raised = "rank(s) 1 of Group('0', size=2) raised an argument error instead of joining this collective"
+    assert all(m.startswith("DistributedError: functe.") and raised in m for m in ok), ok
+    assert "amax reduction" in ok[3]
+
+
+@pytest.mark.distributed
+def test_a_non_member_group_and_dtypes_outside_the_old_table_are_named(pool):
+    first, second = pool.run(checks.group_and_dtype_errors, timeout=60)
+    # int8 on rank 0 and bool on rank 1 both had code -1: gloo reinterpreted the bytes silently
+    assert all(
+        "rank 0 calls all_gather(i8[3], dim=0), rank 1 calls all_gather(bool[3], dim=0)" in m
+        for m in (first[0], second[0])
+    )
+    assert first[1].startswith("ArgumentError: functe.all_gather: argument 'group': this rank (0) is not a member")
 
 
 @pytest.mark.distributed
