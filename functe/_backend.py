@@ -81,6 +81,11 @@ def use_backend(name: str):
         _current = previous
 
 
+# Tensor types that are plain tensors to a kernel: nn.Parameter disables __torch_function__, so
+# nothing observes a twin's fast path on it (other subclasses, tracers and fake tensors may)
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def runs_triton(device: torch.device) -> bool:
     """Whether a kernel on ``device`` runs as Triton (compiled or interpreted)."""
     backend = _current

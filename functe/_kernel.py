@@ -45,7 +45,7 @@ from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad as _forward_ad
 
-from ._backend import any_tangent, forward_ad_active, records, runs_triton
+from ._backend import PLAIN_TENSOR_TYPES, any_tangent, forward_ad_active, records, runs_triton
 from ._errors import TransformError
 
 Tensor = torch.Tensor
@@ -123,7 +123,7 @@ class Kernel:
                 break
         if runs_triton(first.device):
             run, function = self.op, self.function
-        elif type(first) is not Tensor or first.device.type != "cpu":
+        elif type(first) not in PLAIN_TENSOR_TYPES or first.device.type != "cpu":
             return self.twin(*args)
         elif not torch.is_grad_enabled() and not _transforms_active() and not forward_ad_active():
             return self.twin(*args)  # nothing can record (the common path: backward rules, inference)

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .._backend import any_tangent
+from .._backend import PLAIN_TENSOR_TYPES, any_tangent
 
 Tensor = torch.Tensor
 
@@ -48,7 +48,7 @@ def eager_cpu(*tensors: Tensor | None) -> bool:
         if t is None:
             continue
         # (is_cpu: t.device builds a device object, ~0.3 us per tensor on this per-op path)
-        if type(t) is not Tensor or not t.is_cpu or (grad and t.requires_grad):
+        if type(t) not in PLAIN_TENSOR_TYPES or not t.is_cpu or (grad and t.requires_grad):
             return False
         if torch._C._functorch.is_functorch_wrapped_tensor(t):
             return False

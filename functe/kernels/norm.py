@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._errors import ShapeError
+from .._errors import ShapeError, describe
 from .._kernel import Kernel, Rowwise
 from ._common import as_dtype, as_rows, compute_dtype, rows_view, shaped, tl_compute_dtype
 from ._fast import CHUNK_ELEMENTS, eager_cpu, parallel_chunks
@@ -241,9 +241,18 @@ _TILE_ELEMENTS = 4096
 _PARTIAL_PROGRAMS = 256
 
 
-def _tiling(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+_OPS = {"layer": "layer_norm", "rms": "rms_norm", "l2": "l2_normalize"}
+
+
+def _tiling(x: Tensor, kind: str) -> tuple[int, int, int]:
+    """``(block_r, block_n, warps)`` for ``x``'s rows (the norm kernels and their fused casts)."""
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // max(n_cols, 1)
     if n_cols > MAX_COLS:
-        raise ShapeError(f"functe norm kernels: rows of {n_cols} elements exceed the single-pass limit of {MAX_COLS}")
+        raise ShapeError(
+            f"functe.{_OPS[kind]}: argument 'x' expected rows of at most {MAX_COLS} elements on the Triton "
+            f"backend (its kernels normalize a row in one pass), got {describe(x)}"
+        )
     block_n = next_power_of_2(n_cols)
     block_r = min(next_power_of_2(n_rows), max(1, _TILE_ELEMENTS // block_n))
     warps = 4 if block_n < 2048 else 8 if block_n < 8192 else 16
@@ -263,7 +272,7 @@ def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, z
     mean = torch.empty(n_rows if stats else 0, dtype=compute_dtype(x.dtype), device=x.device)
     rstd = torch.empty_like(mean)
     if rows.numel():
-        block_r, block_n, warps = _tiling(n_rows, n_cols)
+        block_r, block_n, warps = _tiling(x, kind)
         _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
             rows,
             rows if w is None else w.contiguous(),
@@ -312,7 +321,7 @@ def _bwd(
             dx = accum.reshape(rows.shape).clone()
         zeros = torch.zeros(n_cols, dtype=x.dtype, device=x.device)
         return dx.view(x.shape), (zeros if w is not None else None), (zeros.clone() if has_b else None)
-    block_r, block_n, warps = _tiling(n_rows, n_cols)
+    block_r, block_n, warps = _tiling(x, kind)
     n_tiles = triton.cdiv(n_rows, block_r)
     tiles_per_program = triton.cdiv(n_tiles, _PARTIAL_PROGRAMS)
     programs = triton.cdiv(n_tiles, tiles_per_program)

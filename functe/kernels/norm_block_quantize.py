@@ -128,7 +128,7 @@ def _launch(x, weight, bias, amax, eps, kind, zero_centered_gamma, nvfp4, qdtype
     rstd = torch.empty_like(mean)
     if rows.numel() == 0:
         return y, q, scales, mean, rstd
-    block_r, block_n, warps = _tiling(n_rows, n_cols)  # the norm kernels' tiling: the same reductions
+    block_r, block_n, warps = _tiling(x, kind)  # the norm kernels' tiling: the same reductions
     fmt = fp8_constexprs(qdtype, out_dtype)
     _norm_block_cast_kernel[(triton.cdiv(n_rows, block_r),)](
         rows,

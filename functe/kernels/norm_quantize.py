@@ -119,7 +119,7 @@ def norm_cast_amax(
     mean, rstd = _stats(x, kind)
     if rows.numel() == 0:
         return q, mean, rstd, torch.zeros((), dtype=torch.float32, device=x.device)
-    block_r, block_n, warps = _tiling(n_rows, n_cols)  # the norm kernels' tiling: the same reductions
+    block_r, block_n, warps = _tiling(x, kind)  # the norm kernels' tiling: the same reductions
     programs = triton.cdiv(n_rows, block_r)
     partial = torch.empty(programs, dtype=torch.float32, device=x.device)
     _norm_cast_kernel[(programs,)](
