@@ -120,7 +120,10 @@ def _roll_and_clear(history: Tensor) -> Tensor:
     """``torch.roll(h, -1)`` then ``h[0] = 0``: the newest amax moves to the end, slot 0 is free."""
     if history.shape[-1] == 1:
         return torch.zeros_like(history)
-    return torch.cat([history.new_zeros(1), history[2:], history[:1]])
+    # (roll, then zeros in slot 0 batched alike: under a vmap over 0 members torch 2.13 fails to cat an
+    # unbatched zeros or an empty history[2:])
+    rolled = history.roll(-1, -1)
+    return torch.cat([torch.zeros_like(rolled[..., :1]), rolled[..., 1:]], -1)
 
 
 def _check_amax(op: str, amax: object, like: Tensor | None = None) -> None:
@@ -166,7 +169,9 @@ def update_state(state: ScalingState, amax: Tensor, *, recipe: DelayedScaling, r
     window = history.amax(-1) if recipe.amax_compute_algo == "max" else history[0]
     # torch.full_like(...) / window, not fp8_max / window: a Python number divided by a tensor is
     # computed as reciprocal(window) * fp8_max, one rounding too many for TE's exact formula.
-    scale = (torch.full_like(window, recipe.max(role)) / window) / float(2**recipe.margin)
+    scale = torch.full_like(window, recipe.max(role)) / window
+    if recipe.margin:  # (x / 1.0 is x; and tensor / number fails under torch 2.13's vmap over 0 members)
+        scale = scale / torch.full_like(scale, 2.0**recipe.margin)
     # (TE's amax > 0 test: a negative amax, only a caller's mistake, keeps the scale as 0 and NaN do)
     keep = ~((window > 0) & torch.isfinite(window))
     scale = torch.where(keep, state.scale, scale)

@@ -44,6 +44,7 @@ import torch
 from . import _trace
 from ._backend import any_tangent
 from ._errors import ArgumentError, TraceError, TransformError, describe
+from ._kernel import empty_batched
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._recipe import check_recipe
 from ._rng import RandomState
@@ -801,6 +802,11 @@ class Fused:
 
     def __init__(self, fn: Callable, rules, recipe):
         functools.update_wrapper(self, fn)
+        if not hasattr(self, "__name__"):  # (a functools.partial or a callable object has none to copy)
+            inner = getattr(fn, "func", None)
+            self.__name__ = (
+                f"partial({inner.__name__})" if callable(inner) and hasattr(inner, "__name__") else type(fn).__name__
+            )
         self.rules = rules
         self.recipe = recipe
         self.trace_count = 0
@@ -849,6 +855,10 @@ class Fused:
                     return variant.eager(*tensors)
         if plan.checks_captured and torch.is_grad_enabled():
             plan.check_captured(None)
+        if plan.differentiable and empty_batched(tensors):
+            # (vmap over 0 members: the op's batched twin runs a padded member, where the forward
+            # rules under this vmap fail on torch's empty-batch bugs; see functe._kernel.vmap_call)
+            return plan.variant(None).run_op(*tensors)
         try:
             return plan.infer(*tensors)
         except TransformError as error:  # (a kernel's refusal, e.g. forward-mode AD through FP8: name the program)

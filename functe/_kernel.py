@@ -359,14 +359,18 @@ def vmap_call(fn: Callable, in_dims: Any, args: tuple, *, randomness: str = "err
     empty vmapped batch.
 
     torch 2.13's batching rules fail on some ops over 0 members (``v * s`` with a batched 0-d ``s``
-    raises "select(): index 0 out of range"), so a batch of 0 runs one zero-filled member under a
-    forked RNG (no draw leaks) and returns its outputs' first 0 rows. ``in_dims`` is an int, ``None``
-    or nested tuples matching ``args`` (the forms functe passes).
+    raises "select(): index 0 out of range"), so a batch of 0 runs one zero-filled member and returns
+    its outputs' first 0 rows. Its draws are those torch makes over 0 members: one shared draw with
+    ``randomness="same"``, none with ``"different"`` (the member runs under a forked RNG). ``in_dims``
+    is an int, ``None`` or nested tuples matching ``args`` (the forms functe passes).
     """
     size = _batch_size(in_dims, args)
     if size != 0:
         return torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*args)
     padded = _pad_member(in_dims, args)
+    if randomness != "different":
+        out = torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*padded)
+        return _first_rows(out)
     devices = sorted({str(t.device) for t in _tensors(args) if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
         out = torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*padded)
@@ -408,10 +412,18 @@ def _tensors(value: Any):
         yield value
 
 
-def under_empty_vmap() -> bool:
-    """Whether a ``vmap`` over 0 members is active (a backward rule then runs on batched tensors of
-    no members, where torch 2.13's batching rules fail on ``x * s`` with a 0-d ``s``: see
-    :func:`vmap_call`)."""
+def empty_batched(tensors) -> bool:
+    """Whether any of ``tensors`` is vmapped over 0 members at some level (a backward rule then runs
+    on batched tensors of no members, where torch 2.13's batching rules fail on ``x * s`` with a
+    0-d ``s``: see :func:`vmap_call`). Only the tensors' own levels count: an unbatched gradient
+    taken inside an empty vmap is a real one."""
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
         return False  # (functe refuses compiled transforms, docs/design.md: no vmap when compiling)
-    return any(i.key() == TransformType.Vmap and i.batch_size() == 0 for i in retrieve_all_functorch_interpreters())
+    functorch = torch._C._functorch
+    for t in tensors:
+        while isinstance(t, Tensor) and functorch.is_functorch_wrapped_tensor(t):
+            inner = functorch.get_unwrapped(t)
+            if functorch.is_batchedtensor(t) and inner.shape[functorch.maybe_get_bdim(t)] == 0:
+                return True
+            t = inner
+    return False

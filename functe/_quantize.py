@@ -325,7 +325,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> Tensor
         return dequantize_block(q.data, q.scale_inv, q.block_scales).to(dtype)
     values = q.data.to(torch.float32)
     if q.block_scales is None:
-        return (values * q.scale_inv).to(dtype)
+        # (expanded: torch 2.13's vmap over 0 members fails on x * s with a batched 0-d s)
+        return (values * q.scale_inv.expand(values.shape)).to(dtype)
     return mx_dequantize(values, q.block_scales).to(dtype)
 
 

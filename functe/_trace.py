@@ -727,11 +727,13 @@ def _div(a, b):
     inverse = 1.0 / b if b else math.copysign(math.inf, b)
     # (1/c must be a normal number where the scale is applied: for a tiny c it overflows to inf, for a
     # huge c it is subnormal and loses bits; either breaks the within-an-ulp promise)
+    # (and c itself: torch divides by c rounded to x's dtype, a subnormal there when c is tiny)
     limits = torch.finfo(torch.float64 if isinstance(a, Tensor) and a.dtype == torch.float64 else torch.float32)
-    if b and math.isfinite(b) and not limits.tiny <= abs(inverse) <= limits.max:
+    normal = lambda v: limits.tiny <= abs(v) <= limits.max
+    if b and math.isfinite(b) and not (normal(b) and normal(inverse)):
         raise TraceError(
-            f"functe.trace: {describe(a)} / {b!r}: 1/{b!r} is not a normal {limits.dtype} number, so x / c "
-            f"cannot be recorded as x * (1/c) within an ulp; use functe.opaque(lambda x: x / {b!r})"
+            f"functe.trace: {describe(a)} / {b!r}: {b!r} or 1/{b!r} is not a normal {limits.dtype} number, so "
+            f"x / c cannot be recorded as x * (1/c) within 2 ulps; use functe.opaque(lambda x: x / {b!r})"
         )
     return _scale(a, inverse)
 
@@ -786,9 +788,15 @@ def _to(x, *args, **kwargs):
         elif isinstance(a, (torch.device, str)):
             device = torch.device(a)  # (the CPU is one device: "cpu:0" is x's "cpu")
             target.append(x.device if device.type == x.device.type == "cpu" else device)
-    if all(t in (x.dtype, x.device) for t in target) and not kwargs.get("copy", False):
+        elif isinstance(a, int) and not isinstance(a, bool):
+            target.append(a)  # (an accelerator's ordinal: never a no-op, and never equal to a dtype or device)
+    # (positionally, to(dtype, non_blocking, copy): the second bool is copy)
+    flags = [a for a in args if isinstance(a, bool)]
+    copy = kwargs.get("copy", False) or (len(flags) > 1 and flags[1])
+    if all(t in (x.dtype, x.device) for t in target) and not copy:
         return x
-    raise _unsupported(Tensor.to, (x, *args), kwargs)
+    named = lambda a: torch.device(a) if isinstance(a, str) else a  # (the message shows the device)
+    raise _unsupported(Tensor.to, (x, *map(named, args)), {k: named(v) for k, v in kwargs.items()})
 
 
 T = Tensor

@@ -55,10 +55,10 @@ from ._backend import any_tangent
 from ._errors import ArgumentError, RuleError, TransformError, describe, describe_shape
 from ._kernel import (
     _with,
+    empty_batched,
     forward_tangents,
     output_strides,
     refuse_forward_over_forward,
-    under_empty_vmap,
     vmap_call,
     with_layout,
 )
@@ -712,7 +712,7 @@ def _make_function(
             for i, (g, meta) in enumerate(zip(out_cts, ctx.out_meta)):
                 if g is None and meta is not None:
                     out_cts[i] = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
-        if under_empty_vmap():
+        if empty_batched((*grads, *res_leaves)):
             # vmap(grad(f)) over 0 members: no member has a value, only shapes (the rule's own torch
             # ops may fail on empty batches, see vmap_call)
             device = next(g.device for g in grads if g is not None)
@@ -720,11 +720,12 @@ def _make_function(
                 torch.zeros(meta[0], dtype=meta[1], device=device) if meta is not None and wants else None
                 for meta, wants in zip(ctx.in_meta, ctx.needs_input_grad[1:])
             ]
-            return (None, *flat)
-        # (ctx.needs_input_grad's first entry is the call)
-        extra = {"needs_input_grad": argument_needs(ctx.needs_input_grad[1:], call.in_tree)} if needs_input_grad else {}
-        cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **extra, **call.static)
-        flat = _flatten_cotangents(name, call, cts, ctx.in_meta)
+        else:
+            # (ctx.needs_input_grad's first entry is the call)
+            needs = ctx.needs_input_grad[1:]
+            extra = {"needs_input_grad": argument_needs(needs, call.in_tree)} if needs_input_grad else {}
+            cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **extra, **call.static)
+            flat = _flatten_cotangents(name, call, cts, ctx.in_meta)
         if layout.n_new and torch.is_grad_enabled():
             flat = _guard(name, flat, next(saved))
         return (None, *flat)

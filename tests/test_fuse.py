@@ -1035,3 +1035,20 @@ def test_what_a_traced_function_may_still_do():
 
     fused = functe.fuse(fn)
     assert torch.equal(fused(x), fn(x)) and torch.equal(fused(x), fn(x))
+
+
+def test_fuse_and_explain_take_a_partial_or_a_callable_object(capsys):
+    # (Fused read the __name__ that functools.update_wrapper cannot copy from these: AttributeError)
+    def scaled(x, w, *, alpha):
+        return ops.linear(x, w) * alpha
+
+    class Model:
+        def __call__(self, x, w):
+            return ops.gelu(ops.linear(x, w))
+
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    partial = functools.partial(scaled, alpha=2.0)
+    assert torch.equal(functe.fuse(partial)(x, w), scaled(x, w, alpha=2.0))
+    assert torch.equal(functe.fuse(Model())(x, w), Model()(x, w))
+    functe.explain(partial, x, w)
+    assert capsys.readouterr().out.startswith("functe.fuse(partial(scaled)): program as traced")

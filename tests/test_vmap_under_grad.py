@@ -151,6 +151,47 @@ def test_fp8_linear_over_an_empty_vmapped_batch(recipe, fused):
     assert gx.shape == (0, 3, 16)
 
 
+def test_an_unbatched_gradient_inside_an_empty_vmap_is_a_real_one():
+    # the empty-vmap shortcut (zeros from a backward rule) first fired for any node under an empty
+    # vmap, so a gradient of an unbatched w taken inside one came out zeros
+    w = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    want = grad(lambda w: ops.gelu(w).sum())(w)
+
+    def body(x):
+        return x + 1, grad(lambda w: ops.gelu(w).sum())(w)
+
+    for n in (2, 0):
+        assert torch.equal(vmap(body, out_dims=(0, None))(torch.zeros(n, 3, dtype=torch.float64))[1], want)
+
+
+@pytest.mark.parametrize("recipe", [functe.CurrentScaling(), functe.DelayedScaling(amax_history_len=2)], ids=str)
+def test_fused_fp8_inference_and_quantize_over_an_empty_vmap(recipe):
+    # (the fused no-grad path ran its forward rules under the empty vmap, and quantize / dequantize are
+    # plain functions: both met torch's empty-batch failures, IndexError)
+    w, b = torch.randn(8, 16), torch.randn(8)
+    state = functe.init_linear_scaling_state(recipe) if isinstance(recipe, functe.DelayedScaling) else None
+    f = functe.fuse(lambda x: ops.fp8_linear(x, w, b, state, recipe=recipe))
+    assert vmap(f)(torch.randn(0, 4, 16)).shape == (0, 4, 8)
+    kw = {"state": functe.init_scaling_state(2)} if state is not None else {}
+    q = vmap(lambda x: functe.dequantize(functe.quantize(x, recipe, **kw)[0]))(torch.randn(0, 4, 32))
+    assert q.shape == (0, 4, 32)
+
+
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_an_empty_vmap_draws_what_torch_draws(randomness):
+    # over 0 members torch draws once with randomness="same" and nothing with "different"; the padded
+    # member first drew nothing either way, so the generator's next values depended on requires_grad
+    drop = functe.opaque(lambda x: F.dropout(x, 0.5, training=True))
+
+    def next_value(fn, x):
+        torch.manual_seed(0)
+        vmap(fn, randomness=randomness)(x)
+        return torch.rand(1)
+
+    for x in (torch.randn(0, 4), torch.randn(0, 4, requires_grad=True)):
+        assert torch.equal(next_value(drop, x), next_value(lambda x: F.dropout(x, 0.5, training=True), x))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_block_with_unused_outputs_under_grad_of_vmap(fused):
     # layer_norm's op also returns its row statistics, which nobody uses: their cotangents are
