@@ -23,14 +23,14 @@ import os
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from ._errors import FuncteError
+from ._errors import ArgumentError
 
 BACKENDS = ("auto", "torch", "interpret")
 
 
 def _validated(name: str, source: str) -> str:
     if name not in BACKENDS:
-        raise FuncteError(f"functe backend from {source} must be one of {BACKENDS}, got {name!r}")
+        raise ArgumentError(f"functe backend from {source} must be one of {BACKENDS}, got {name!r}")
     return name
 
 

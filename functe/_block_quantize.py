@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import FuncteError, ShapeError, describe, dtype_error
+from ._errors import ArgumentError, ShapeError, describe, dtype_error
 from ._recipe import Float8BlockScaling, NVFP4BlockScaling
 from .kernels.block_quantize import FP8_BLOCK_ACT_CAST_KEEP, FP8_BLOCK_CAST, FP8_BLOCK_CAST_2D, FP8_BLOCK_DEQUANTIZE
 from .kernels.hadamard import RHT16, RHT_SIZE
@@ -85,7 +85,7 @@ def _nvfp4(x, amax, act, params, recipe, role, out_dtype, seed, op):
     rows, _ = recipe.block_shape(role)
     stochastic = _stochastic(recipe, role)
     if stochastic and seed is None:
-        raise FuncteError(
+        raise ArgumentError(
             f"functe.{op}: argument 'seed' expected a Python int or an int64 tensor: NVFP4BlockScaling rounds "
             "gradients stochastically and needs a seed (or disable_stochastic_rounding=True), got None"
         )
@@ -96,7 +96,7 @@ def _nvfp4(x, amax, act, params, recipe, role, out_dtype, seed, op):
 
 def _check(x: Tensor, recipe: BlockRecipe, role: str, scale, op: str) -> None:
     if scale is not None:
-        raise FuncteError(f"functe.{op}: {type(recipe).__name__} is stateless; argument 'scale' must be None")
+        raise ArgumentError(f"functe.{op}: {type(recipe).__name__} is stateless; argument 'scale' must be None")
     if x.dim() < 1:
         raise ShapeError(f"functe.{op}: argument 'x' expected rank >= 1 (blocks along the last dim), got {describe(x)}")
     if recipe.block_shape(role)[0] > 1 and x.dim() != 2:
@@ -108,7 +108,7 @@ def _check(x: Tensor, recipe: BlockRecipe, role: str, scale, op: str) -> None:
 def _check_act(x: Tensor, recipe: BlockRecipe, role: str, scale, op: str) -> None:
     _check(x, recipe, role, scale, op)
     if recipe.block_shape(role)[0] > 1:
-        raise FuncteError(f"functe.{op}: role {role!r} uses 2-D blocks; activations are 1-D blocked inputs")
+        raise ArgumentError(f"functe.{op}: role {role!r} uses 2-D blocks; activations are 1-D blocked inputs")
 
 
 def cast_block(x: Tensor, recipe: BlockRecipe, role: str, scale: None, out_dtype: torch.dtype, *, seed=None):
@@ -205,7 +205,7 @@ def cast_norm_block(
     """
     _check(x, recipe, role, scale, "cast_norm_block")
     if recipe.block_shape(role)[0] > 1 or _stochastic(recipe, role):
-        raise FuncteError(f"functe.cast_norm_block: role {role!r}: norms feed a GEMM as its (1-D blocked) input")
+        raise ArgumentError(f"functe.cast_norm_block: role {role!r}: norms feed a GEMM as its (1-D blocked) input")
     if isinstance(recipe, Float8BlockScaling):
         qdtype, pow2, eps_amax = recipe.dtype(role), recipe.power_2_scales, float(recipe.amax_epsilon)
         y, q, _, mean, rstd = NORM_FP8_BLOCK_CAST(

@@ -128,7 +128,6 @@ def collective_checks(enabled: bool) -> Iterator[None]:
         _checks = previous
 
 
-# dtype codes for the signature (a dtype missing here gets -1 and is compared by that)
 # Every torch dtype, in a fixed order (the same torch on every rank): a dtype's code in a signature is its
 # index, so no two dtypes share one (unlisted dtypes shared -1, and int8 on one rank met bool on another)
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))

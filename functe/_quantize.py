@@ -14,8 +14,8 @@ import torch
 
 from ._block_quantize import dequantize_block, quantize_block
 from ._errors import (
+    ArgumentError,
     DTypeError,
-    FuncteError,
     ShapeError,
     StateError,
     check_same_device,
@@ -266,7 +266,7 @@ def quantize(
     check_tensor("quantize", "x", x, dtypes=QUANTIZABLE)
     check_recipe("quantize", recipe)
     if role not in ROLES:
-        raise FuncteError(f"functe.quantize: argument 'role' expected one of {ROLES}, got {role!r}")
+        raise ArgumentError(f"functe.quantize: argument 'role' expected one of {ROLES}, got {role!r}")
     x = x.detach()
     if isinstance(recipe, BLOCK_RECIPES):
         _no_state(state, recipe)
@@ -317,7 +317,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> Tensor
         [0.0, 32.0, 64.0]
     """
     if not isinstance(q, QuantizedTensor):
-        raise FuncteError(f"functe.dequantize: argument 'q' expected a QuantizedTensor, got {type(q).__name__}")
+        raise ArgumentError(f"functe.dequantize: argument 'q' expected a QuantizedTensor, got {type(q).__name__}")
     check_quantized_layout("dequantize", "q", q)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise DTypeError(f"functe.dequantize: argument 'dtype' expected a floating dtype, got {dtype!r}")

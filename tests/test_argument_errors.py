@@ -365,3 +365,28 @@ def test_a_per_tensor_fp8_scalar_dequantizes():
         state = functe.init_scaling_state(4) if recipe is _DS else None
         q, _ = functe.quantize(torch.tensor(-3.0), recipe, state=state)
         assert functe.dequantize(q).item() == -3.0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: functe.quantize(torch.randn(4, 32), functe.CurrentScaling(), role="bogus"),
+        lambda: functe.dequantize(torch.randn(4)),
+        lambda: functe.quantize(torch.randn(4, 32), functe.NVFP4BlockScaling(), role="grad_output"),
+        lambda: functe.set_backend("triton"),
+        lambda: ops.fp8_linear(
+            torch.randn(4, 32),
+            torch.randn(16, 32),
+            None,
+            None,
+            recipe=functe.Float8BlockScaling(),
+            tensor_parallel_mode="column",
+            group=functe.Group("fake", 2),
+        ),
+    ],
+)
+def test_argument_errors_are_the_builtin_errors_callers_catch(call):
+    # (these raised a bare FuncteError, neither ValueError nor TypeError, against the errors' contract)
+    with pytest.raises(functe.ArgumentError) as info:
+        call()
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)

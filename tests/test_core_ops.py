@@ -133,6 +133,12 @@ def test_add_extra_input_in_place_donates_only_when_invisible():
     # Under torch.func.grad too.
     g = torch.func.grad(lambda e: ops.add_extra_input(torch.ones(4), e, in_place=True).sum())(torch.zeros(4))
     assert g.tolist() == [1.0] * 4
+    # An x overlapping extra's memory (add_ raised "some elements ... refer to a single memory location").
+    square, buf = torch.arange(9.0).view(3, 3), torch.arange(5.0)
+    with torch.no_grad():
+        assert torch.equal(ops.add_extra_input(square.t(), square.clone(), in_place=True), square.t() + square)
+        assert torch.equal(ops.add_extra_input(square.t(), square, in_place=True), square.t() + square.clone())
+        assert ops.add_extra_input(buf[1:], buf[:-1], in_place=True).tolist() == [1.0, 3.0, 5.0, 7.0]
 
 
 def test_make_extra_output_unused_branch_gives_plain_gradient(backend):

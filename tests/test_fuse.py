@@ -357,6 +357,23 @@ def test_a_zero_constant_scale_keeps_ieee_nan_in_the_fused_gemms(scale):
         assert torch.equal(torch.signbit(g), torch.signbit(e))
 
 
+@pytest.mark.parametrize("backend", ["torch", "interpret"])
+def test_an_fp16_bias_gradient_scaled_down_does_not_overflow_when_fused(backend):
+    # backward_linear_scale summed dy in fp16 (Σ = 1e5 > 65504: inf) before applying the 1/8 the
+    # unfused chain applies to each element first (12,496)
+    f = lambda x, w, b: 0.125 * ops.linear(x, w, b)
+    x, w, b = (make(s, torch.float16).requires_grad_() for s in [(100, 8), (3, 8), (3,)])
+    ct = torch.full((100, 3), 1000.0, dtype=torch.float16)
+    with functe.use_backend(backend):
+        assert plan_of(f, x, w, b).stats["backward"].fired == {"backward_linear_scale": 1}
+        got = torch.autograd.grad(functe.fuse(f)(x, w, b), (x, w, b), ct)
+        want = torch.autograd.grad(f(x, w, b), (x, w, b), ct)
+    assert torch.isfinite(got[2]).all()
+    for g, e in zip(got, want):
+        rtol, atol = functe.testing.tolerance(torch.float16)
+        torch.testing.assert_close(g, e, rtol=rtol, atol=atol)
+
+
 def test_numpy_float_static_arguments_are_keyed_by_their_bits():
     # np.float64 (a float subclass) and np.float32 were keyed by ==: -0.0 reused the 0.0 plan, and
     # each NaN call traced a new plan.

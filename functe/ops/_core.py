@@ -194,9 +194,9 @@ def add_extra_input(x: Tensor, extra: Tensor, *, in_place: bool = False) -> Tens
     ``y`` and the caller must not read ``extra`` afterwards (it may hold ``y`` or
     anything else). A pure program cannot observe the difference except through
     that buffer, so functe reuses it only where no autograd or ``torch.func``
-    layer could see the write (e.g. inference); otherwise it computes out of
-    place. The fused executor (``functe.fuse``) uses donation internally for
-    buffers it produced itself.
+    layer could see the write (e.g. inference) and ``extra`` shares no memory
+    with ``x``; otherwise it computes out of place. (``functe.fuse`` never
+    donates: its plans allocate their outputs.)
 
     Example:
         >>> import torch
@@ -212,7 +212,13 @@ def add_extra_input(x: Tensor, extra: Tensor, *, in_place: bool = False) -> Tens
     check_same_device("add_extra_input", {"x": x, "extra": extra})
     # (a truthy non-bool, in_place="False", would donate, and overwrite, the caller's buffer)
     # (a donated buffer is written in place: only where no autograd layer records the op)
-    if check_flag("add_extra_input", "in_place", in_place) and not records((x, extra)) and extra.is_contiguous():
+    if (
+        check_flag("add_extra_input", "in_place", in_place)
+        and not records((x, extra))
+        and extra.is_contiguous()
+        # (an x overlapping extra's memory, extra.t() or a shifted slice, makes add_ raise)
+        and x.untyped_storage().data_ptr() != extra.untyped_storage().data_ptr()
+    ):
         return extra.add_(x)
     return _add_extra_input(x, extra)
 

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._errors import FuncteError, check_same_device, check_same_dtype, check_tensor, describe_shape, shape_error
+from .._errors import (
+    ArgumentError,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    describe_shape,
+    shape_error,
+)
 from .._fp8_gemm import compute_dtype, gemm_nt, native_ok
 from .._fp8_state import LinearScalingState, as_cotangent, check_linear_state, update_state
 from .._parallel import (
@@ -322,7 +329,7 @@ def fp8_linear(
     parallel = linear_parallelism("fp8_linear", x, mode, sp, group, amax_group, fp8=stateful)
     if isinstance(recipe, BLOCK_RECIPES):
         if parallel is not None:
-            raise FuncteError(
+            raise ArgumentError(
                 f"functe.fp8_linear: tensor parallelism is not implemented for {type(recipe).__name__} "
                 "(docs/block_scaling.md); use it without tensor_parallel_mode"
             )

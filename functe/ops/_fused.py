@@ -28,7 +28,7 @@ import torch
 
 from .._backend import runs_triton
 from .._vjp import custom_vjp
-from ..kernels._common import rows_view, shaped
+from ..kernels._common import column_sums, rows_view, shaped
 from ..kernels.activation import DACTIVATION
 from ..kernels.elementwise import AXPBY, BIAS_GRAD
 from ..kernels.gemm import GEMM, GEMM_DGRAD, GEMM_DGRAD_DACT, GEMM_PREACT, GEMM_WGRAD, GEMM_WGRAD_DBIAS
@@ -228,6 +228,8 @@ def _backward_linear_scale_bwd(res, dy, *, scale, needs_input_grad=(True, True, 
         dx = GEMM_DGRAD(dy, weight, None, scale)
         if not has_bias:
             return dx, GEMM_WGRAD(dy, x, None, scale), None
+        if dy.dtype == torch.float16:  # (see _scaled_bias_grad)
+            return dx, GEMM_WGRAD(dy, x, None, scale), _scaled_bias_grad(dy, scale)
         dweight, dbias = GEMM_WGRAD_DBIAS(dy, x, None, scale)  # dbias comes unscaled
         return dx, dweight, AXPBY(dbias, None, scale, 0.0)
     if scale == 0.0:
@@ -238,8 +240,20 @@ def _backward_linear_scale_bwd(res, dy, *, scale, needs_input_grad=(True, True, 
     zero = dy.new_zeros(())  # ignored: beta = 0
     dx = torch.addmm(zero, dy2, weight, beta=0, alpha=scale).view(*x.shape[:-1], weight.shape[1])
     dweight = torch.addmm(zero, dy2.t(), rows_view(x), beta=0, alpha=scale)
-    dbias = AXPBY(BIAS_GRAD(dy), None, scale, 0.0) if has_bias else None
+    dbias = _scaled_bias_grad(dy, scale) if has_bias else None
     return dx, dweight, dbias
+
+
+def _scaled_bias_grad(dy, scale):
+    """``scale · Σ dy`` over the rows, rounded once to dy's dtype.
+
+    An fp16 ``Σ dy`` rounded before the scale overflows where the unfused chain (scale each element,
+    then sum) stays finite (100 rows of dy = 1000 at scale 1/8: inf against 12500), so fp16 keeps the
+    sum in fp32 up to the scale (a wider sum costs an upcast: not for bf16, whose range is fp32's).
+    """
+    if dy.dtype == torch.float16:
+        return (column_sums(dy, torch.float32) * scale).to(dy.dtype)
+    return AXPBY(BIAS_GRAD(dy), None, scale, 0.0)
 
 
 backward_linear_scale = custom_vjp(

@@ -405,7 +405,7 @@ class _Rewriter:
                     count += 1
                     self.stats.fired[rule.name] = self.stats.fired.get(rule.name, 0) + 1
                     if count > self.max_rewrites:
-                        raise FuncteError(
+                        raise RuleError(
                             f"functe.rules: no fixed point after {self.max_rewrites} rewrites in the {self.phase} "
                             f"phase (last rule: {rule.name}); does a rule match its own result?"
                         )
