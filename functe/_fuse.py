@@ -801,7 +801,8 @@ class Fused:
     """
 
     def __init__(self, fn: Callable, rules, recipe):
-        functools.update_wrapper(self, fn)
+        # (updated=(): copying fn.__dict__ would let an attribute of fn, a model's `plan` say, hide a method)
+        functools.update_wrapper(self, fn, updated=())
         if not hasattr(self, "__name__"):  # (a functools.partial or a callable object has none to copy)
             inner = getattr(fn, "func", None)
             self.__name__ = (

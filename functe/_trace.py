@@ -796,7 +796,8 @@ def _to(x, *args, **kwargs):
     if all(t in (x.dtype, x.device) for t in target) and not copy:
         return x
     named = lambda a: torch.device(a) if isinstance(a, str) else a  # (the message shows the device)
-    raise _unsupported(Tensor.to, (x, *map(named, args)), {k: named(v) for k, v in kwargs.items()})
+    why = " (copy=True makes a copy)" if copy else ""
+    raise _unsupported(Tensor.to, (x, *map(named, args)), {k: named(v) for k, v in kwargs.items()}, why)
 
 
 T = Tensor

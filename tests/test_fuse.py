@@ -1069,3 +1069,9 @@ def test_fuse_and_explain_take_a_partial_or_a_callable_object(capsys):
     assert torch.equal(functe.fuse(Model())(x, w), Model()(x, w))
     functe.explain(partial, x, w)
     assert capsys.readouterr().out.startswith("functe.fuse(partial(scaled)): program as traced")
+    # (update_wrapper copied a callable's attributes onto the Fused: a `plan` attribute hid Fused.plan)
+    model = Model()
+    model.plan = "cosine schedule"
+    assert functe.fuse(model).plan(x, w).stats["forward"] is not None
+    functe.explain(model, x, w)
+    assert capsys.readouterr().out.startswith("functe.fuse(Model): program as traced")
