@@ -92,6 +92,19 @@ class TransformError(FuncteError, RuntimeError):
     """A transform (vmap, jvp, higher-order grad, compile) the op cannot honour."""
 
 
+def called_as(error: TransformError, who: str) -> TransformError:
+    """``error`` (a kernel's refusal, raised deep inside) prefixed with ``who:``, the op or fused
+    program the user called, unless it already starts with it.
+
+    Example:
+        >>> str(called_as(TransformError("functe.cast: no jvp"), "functe.fp8_linear"))
+        'functe.fp8_linear: functe.cast: no jvp'
+    """
+    if str(error).startswith(f"{who}:"):
+        return error
+    return TransformError(f"{who}: {error}")
+
+
 class StateError(FuncteError, ValueError):
     """A scaling-state pytree is malformed or used in a way that would corrupt it."""
 

@@ -43,7 +43,7 @@ import torch
 
 from . import _trace
 from ._backend import any_tangent
-from ._errors import ArgumentError, TraceError, TransformError, describe
+from ._errors import ArgumentError, TraceError, TransformError, called_as, describe
 from ._kernel import empty_batched
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._recipe import check_recipe
@@ -863,10 +863,7 @@ class Fused:
         try:
             return plan.infer(*tensors)
         except TransformError as error:  # (a kernel's refusal, e.g. forward-mode AD through FP8: name the program)
-            prefix = f"functe.fuse({self.__name__}):"
-            if str(error).startswith(prefix):
-                raise
-            raise TransformError(f"{prefix} {error}") from None
+            raise called_as(error, f"functe.fuse({self.__name__})") from None
 
     def _plan_and_tensors(self, args, kwargs) -> tuple[Plan, list[Tensor]]:
         index, tensors = self._lookup(args, kwargs)

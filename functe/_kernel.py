@@ -35,6 +35,7 @@ threshold).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -368,11 +369,12 @@ def vmap_call(fn: Callable, in_dims: Any, args: tuple, *, randomness: str = "err
     if size != 0:
         return torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*args)
     padded = _pad_member(in_dims, args)
-    if randomness != "different":
-        out = torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*padded)
-        return _first_rows(out)
-    devices = sorted({str(t.device) for t in _tensors(args) if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+    if randomness == "different":  # (the member's own draws: torch draws nothing for 0 members)
+        devices = sorted({str(t.device) for t in _tensors(args) if t.device.type == "cuda"})
+        rng = torch.random.fork_rng(devices=devices, device_type="cuda")
+    else:
+        rng = contextlib.nullcontext()
+    with rng:
         out = torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*padded)
     return _first_rows(out)
 

@@ -726,8 +726,8 @@ def _div(a, b):
     # x / ±0 is x · ±inf elementwise (±inf, or NaN for x = 0), as torch computes it
     inverse = 1.0 / b if b else math.copysign(math.inf, b)
     # (1/c must be a normal number where the scale is applied: for a tiny c it overflows to inf, for a
-    # huge c it is subnormal and loses bits; either breaks the within-an-ulp promise)
-    # (and c itself: torch divides by c rounded to x's dtype, a subnormal there when c is tiny)
+    # huge c it is subnormal and loses bits; and so must c, which torch rounds to x's dtype before
+    # dividing: either way the result would leave the documented 2 ulps of torch's division)
     limits = torch.finfo(torch.float64 if isinstance(a, Tensor) and a.dtype == torch.float64 else torch.float32)
     normal = lambda v: limits.tiny <= abs(v) <= limits.max
     if b and math.isfinite(b) and not (normal(b) and normal(inverse)):

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from ._backend import any_tangent
-from ._errors import ArgumentError, RuleError, TransformError, describe, describe_shape
+from ._errors import ArgumentError, RuleError, TransformError, called_as, describe, describe_shape
 from ._kernel import (
     _with,
     empty_batched,
@@ -757,9 +757,7 @@ def _make_function(
             with contextlib.nullcontext() if replay is None else replay.restored():
                 out_tangents = forward_tangents(out_only, tuple(primals[k] for k in diff), tans)
         except TransformError as error:  # (a kernel's refusal: say which op the user called)
-            if str(error).startswith(f"functe.{name}:"):
-                raise
-            raise TransformError(f"functe.{name}: {error}") from None
+            raise called_as(error, f"functe.{name}") from None
         it = iter(out_tangents)
         result = [None if meta is None else next(it) for meta in ctx.out_meta]
         # (an integer output, a seed kept as a residual, has no tangent: autograd refuses one)

@@ -415,7 +415,7 @@ class _Rewriter:
         key = (rule.name, id(root), reason)
         if key not in self._declined:
             self._declined.add(key)
-            self.stats.declined.append((rule.name, f"{root.name} -> {_describe_outputs(root)}", reason))
+            self.stats.declined.append((rule.name, _location(root), reason))
 
     def _apply_once(self, rule: Rule, oplist: OpList) -> OpList | None:
         g = _Graph(oplist)
@@ -436,18 +436,17 @@ class _Rewriter:
         position = {e: i for i, e in enumerate(g.oplist.eqns)}
         covered = tuple(sorted(state.covered, key=position.__getitem__))
         m = Match(rule, state.captures, state.eqns, state.edges, covered, _external_outputs(covered, g), self.recipe)
-        where = f"{root.name} -> {_describe_outputs(root)}"
-        reason = _user_call(rule, "condition", where, rule.condition, m) if rule.condition is not None else None
+        reason = _user_call(rule, "condition", root, rule.condition, m) if rule.condition is not None else None
         if reason is not None:
             if not isinstance(reason, str):
                 # (a bool reads naturally as "applies?" but True would be taken as a reason to decline)
                 raise RuleError(
                     f"rule {rule.name}: condition must return a reason string to decline or None to fire, "
-                    f"got {reason!r} (matched at {where})"
+                    f"got {reason!r} (matched at {_location(root)})"
                 )
             self._decline(rule, root, reason)
             return None
-        fused = _user_call(rule, "rewrite", where, rule.rewrite, m)
+        fused = _user_call(rule, "rewrite", root, rule.rewrite, m)
         if not isinstance(fused, Eqn):
             raise RuleError(f"rule {rule.name}: rewrite must return an Eqn, got {type(fused).__name__}")
         missing = [v for v in m.outputs if not any(v is o for o in fused.outputs)]
@@ -471,7 +470,7 @@ class _Rewriter:
         return new
 
 
-def _user_call(rule: Rule, part: str, where: str, fn: Callable, m: Match):
+def _user_call(rule: Rule, part: str, root: Eqn, fn: Callable, m: Match):
     """A rule's condition or rewrite, whose own errors name the rule and the match they came from."""
     try:
         return fn(m)
@@ -479,8 +478,13 @@ def _user_call(rule: Rule, part: str, where: str, fn: Callable, m: Match):
         raise
     except Exception as error:
         raise RuleError(
-            f"rule {rule.name}: its {part} raised {type(error).__name__}: {error} (matched at {where})"
+            f"rule {rule.name}: its {part} raised {type(error).__name__}: {error} (matched at {_location(root)})"
         ) from error
+
+
+def _location(root: Eqn) -> str:
+    """Where a match sits, for reports: its root op and what that op produces (``add_extra_input -> f32[4,6]``)."""
+    return f"{root.name} -> {_describe_outputs(root)}"
 
 
 def _describe_outputs(eqn: Eqn) -> str:
