@@ -136,5 +136,17 @@ def records(values) -> bool:
     return any_tangent(values)
 
 
+def donatable(target: torch.Tensor, others) -> bool:
+    """Whether an op may write its result into ``target``, a buffer its caller donated, given the
+    op's other tensor arguments ``others``: no autograd layer records the op (it would see the write),
+    ``target`` is contiguous (no stride-0 broadcast), and no other argument shares its storage (an
+    overlapping write raises, or changes an operand the op still reads; the same tensor passed twice
+    counts)."""
+    if records((target, *others)) or not target.is_contiguous():
+        return False
+    storage = target.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != storage for t in others)
+
+
 _unpack_dual = torch._VF._unpack_dual
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # (torch.func's own duals: not read here)

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import interpreting, records, runs_triton
+from .._backend import donatable, interpreting, runs_triton
 from .._errors import (
     FLOAT_DTYPES,
     ArgumentError,
@@ -906,7 +906,7 @@ class Donating:
 
     def __call__(self, *args):
         target = args[self.target] if len(args) > self.target else None
-        if not _can_donate(target, args):
+        if not _can_donate(target, args, self.target):
             return self.kernel(*args)
         if runs_triton(target.device):
             self.op(*args)
@@ -922,16 +922,10 @@ def _no_output(*args, **kwargs) -> None:
     return None
 
 
-def _can_donate(target, args) -> bool:
+def _can_donate(target, args, position: int) -> bool:
     if not isinstance(target, Tensor) or torch.compiler.is_compiling():
         return False
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    if records(tensors):  # (a write into the caller's buffer must be invisible to every autograd layer)
-        return False
-    if not target.is_contiguous():
-        return False
-    storage = target.untyped_storage().data_ptr()
-    return all(t.untyped_storage().data_ptr() != storage for t in tensors if t is not target)
+    return donatable(target, [a for i, a in enumerate(args) if i != position and isinstance(a, Tensor)])
 
 
 GEMM_IN_PLACE = Donating(GEMM, gemm_in_place)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._backend import records
+from .._backend import donatable
 from .._errors import (
     FLOAT_DTYPES,
     ArgumentError,
@@ -211,14 +211,9 @@ def add_extra_input(x: Tensor, extra: Tensor, *, in_place: bool = False) -> Tens
     check_same_dtype("add_extra_input", "extra", extra, x, "x")
     check_same_device("add_extra_input", {"x": x, "extra": extra})
     # (a truthy non-bool, in_place="False", would donate, and overwrite, the caller's buffer)
-    # (a donated buffer is written in place: only where no autograd layer records the op)
-    if (
-        check_flag("add_extra_input", "in_place", in_place)
-        and not records((x, extra))
-        and extra.is_contiguous()
-        # (an x overlapping extra's memory, extra.t() or a shifted slice, makes add_ raise)
-        and x.untyped_storage().data_ptr() != extra.untyped_storage().data_ptr()
-    ):
+    # (a donated buffer is written in place only where nothing can tell: see donatable; an x
+    # overlapping extra's memory, extra.t() or a shifted slice, would make add_ raise)
+    if check_flag("add_extra_input", "in_place", in_place) and donatable(extra, (x,)):
         return extra.add_(x)
     return _add_extra_input(x, extra)
 
