@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from fuse_helpers import plan_of
@@ -229,7 +231,7 @@ def test_condition_reason_is_reported_and_the_rule_does_not_fire():
     assert stats.fired == {"linear_bias_add_half_only": 1}
 
 
-def test_a_failing_condition_or_rewrite_names_the_rule_and_a_bool_condition_is_refused():
+def test_a_failing_condition_or_rewrite_names_the_rule_and_a_bool_or_empty_condition_is_refused():
     # a raising condition escaped as a bare KeyError; True/False were taken as decline reasons, so the
     # rule silently never fired
     program = functe.trace(lambda x, w, r: ops.linear(x, w) + r)(X, W, R)
@@ -243,8 +245,8 @@ def test_a_failing_condition_or_rewrite_names_the_rule_and_a_bool_condition_is_r
         rewrite(program, rule(condition=lambda m: m.params("lin")), "forward")
     with pytest.raises(functe.RuleError, match=rf"rule mine: its rewrite raised ZeroDivisionError: .* {at}"):
         rewrite(program, rule(rewrite=lambda m: 1 / 0), "forward")
-    for value in (True, False):
-        with pytest.raises(functe.RuleError, match=rf"condition must return a reason string .* got {value} {at}"):
+    for value in (True, False, "", "  "):
+        with pytest.raises(functe.RuleError, match=rf"non-empty reason string .* got {re.escape(repr(value))} {at}"):
             rewrite(program, rule(condition=lambda m, v=value: v), "forward")
 
 

@@ -178,7 +178,7 @@ class Rule:
         phase: ``"forward"``, ``"backward"`` or ``"joint"``.
         pattern: the :class:`Pattern` to find.
         rewrite: ``rewrite(m: Match) -> Eqn``.
-        condition: ``condition(m: Match) -> str | None``: a reason to decline, or ``None``.
+        condition: ``condition(m: Match) -> str | None``: a non-empty reason to decline, or ``None``.
         doc: one line saying what the rule does (``lhs -> rhs``).
 
     Example:
@@ -438,11 +438,12 @@ class _Rewriter:
         m = Match(rule, state.captures, state.eqns, state.edges, covered, _external_outputs(covered, g), self.recipe)
         reason = _user_call(rule, "condition", root, rule.condition, m) if rule.condition is not None else None
         if reason is not None:
-            if not isinstance(reason, str):
-                # (a bool reads naturally as "applies?" but True would be taken as a reason to decline)
+            if not isinstance(reason, str) or not reason.strip():
+                # (a bool reads naturally as "applies?" but True would be taken as a reason to decline;
+                # an empty string, from `cond and "why"`-style code, would decline with no reason to print)
                 raise RuleError(
-                    f"rule {rule.name}: condition must return a reason string to decline or None to fire, "
-                    f"got {reason!r} (matched at {_location(root)})"
+                    f"rule {rule.name}: condition must return a non-empty reason string to decline or None "
+                    f"to fire, got {reason!r} (matched at {_location(root)})"
                 )
             self._decline(rule, root, reason)
             return None
