@@ -94,11 +94,11 @@ def check_linear_state(op: str, state: object, recipe: Recipe) -> LinearScalingS
             f"got {type(state).__name__}"
         )
     for role in ("input", "weight", "grad_output"):
-        _check_delayed_state(op, f"state.{role}", getattr(state, role), recipe)
+        check_delayed_state(op, f"state.{role}", getattr(state, role), recipe)
     return state
 
 
-def _check_delayed_state(op: str, arg: str, state: object, recipe: DelayedScaling) -> None:
+def check_delayed_state(op: str, arg: str, state: object, recipe: DelayedScaling) -> None:
     """A :class:`ScalingState` (fp32, 0-d scale, 1-d history) whose history is the recipe's length."""
     check_scaling_state(op, arg, state)
     if state.amax_history.shape[-1] != recipe.amax_history_len:
@@ -157,7 +157,7 @@ def delayed_scaling_update(state: ScalingState, amax: Tensor, *, recipe: Delayed
     if not isinstance(recipe, DelayedScaling):
         raise StateError(f"functe.{op}: argument 'recipe' expected a DelayedScaling, got {recipe!r}")
     recipe.dtype(role)  # (an unknown role raises, naming the roles)
-    _check_delayed_state(op, "state", state, recipe)
+    check_delayed_state(op, "state", state, recipe)
     _check_amax(op, amax, state.amax_history)
     return update_state(state, amax, recipe=recipe, role=role)
 

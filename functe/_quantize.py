@@ -24,10 +24,10 @@ from ._errors import (
     describe_shape,
     dtype_name,
 )
-from ._fp8_state import recipe_scale, update_state
+from ._fp8_state import check_delayed_state, recipe_scale, update_state
 from ._recipe import BLOCK_RECIPES, ROLES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from ._seed import seed_tensor
-from ._state import ScalingState, check_scaling_state
+from ._state import ScalingState
 from ._tree import pytree_dataclass
 from .kernels.norm_quantize import NORM_CAST_AMAX
 from .kernels.quantize import (
@@ -284,12 +284,7 @@ def quantize(
         data, e8m0 = MXFP8_CAST(x, qdtype, qdtype)
         return QuantizedTensor(data=data, scale_inv=None, block_scales=e8m0), None
     if isinstance(recipe, DelayedScaling):
-        check_scaling_state("quantize", "state", state)
-        if state.amax_history.shape[-1] != recipe.amax_history_len:
-            raise StateError(
-                f"functe.quantize: argument 'state.amax_history' expected length {recipe.amax_history_len} "
-                f"(the recipe's amax_history_len), got {state.amax_history.shape[-1]}"
-            )
+        check_delayed_state("quantize", "state", state, recipe)
         check_same_device("quantize", {"x": x, "state.scale": state.scale, "state.amax_history": state.amax_history})
         # (not differentiable, as x: a transform differentiating the state reached the cast kernel's
         # second-order refusal)

@@ -112,7 +112,10 @@ def test_quantize_delayed_uses_the_state_and_returns_the_next_one():
 def test_quantize_errors():
     with pytest.raises(functe.StateError, match=r"'state' expected a ScalingState, got NoneType"):
         functe.quantize(torch.ones(2), functe.DelayedScaling(amax_history_len=2))
-    with pytest.raises(functe.StateError, match=r"expected length 2 \(the recipe's amax_history_len\), got 3"):
+    with pytest.raises(
+        functe.StateError,
+        match=r"'state\.amax_history' expected f32\[2\] \(the recipe's amax_history_len\), got f32\[3\]",
+    ):
         functe.quantize(torch.ones(2), functe.DelayedScaling(amax_history_len=2), state=functe.init_scaling_state(3))
     with pytest.raises(functe.StateError, match=r"'state' expected None \(CurrentScaling is stateless\)"):
         functe.quantize(torch.ones(2), functe.CurrentScaling(), state=functe.init_scaling_state(3))
