@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -135,6 +135,10 @@ _MAX_DIMS = 12  # listed one by one; any further dims enter a checksum
 
 
 _RAISING = len(KINDS)  # the kind code of a rank meeting the check only to raise its own error
+_LAYOUT = len(KINDS) + 1  # the kind code of all_reduce_gradients' tree-layout check
+# kind, dim, reduction, dtype, rank, numel, the dims, a checksum of further dims: every cross-rank check
+# exchanges rows of this one length (rows of different lengths made gloo abort the process)
+_SIGNATURE_LEN = 7 + _MAX_DIMS
 
 
 def _signature(kind: str, x: Tensor, dim: int, op: str) -> list[int]:
@@ -145,6 +149,8 @@ def _signature(kind: str, x: Tensor, dim: int, op: str) -> list[int]:
 
 
 def _describe_signature(sig: list[int]) -> str:
+    if sig[0] == _LAYOUT:
+        return "all_reduce_gradients' layout check"
     kind, dim, op, code, ndim = KINDS[sig[0]], sig[1], REDUCTIONS[sig[2]], sig[3], sig[4]
     shape = ",".join(str(d) for d in sig[6 : 6 + min(ndim, _MAX_DIMS)])
     if ndim > _MAX_DIMS:
@@ -179,6 +185,14 @@ def _check(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> N
     rows = _from_every_rank(_signature(kind, x, dim, op), x.device, group)
     if all(row == rows[0] for row in rows):
         return
+    _raise_if_ranks_differ_in_kind(rows, group, who, lambda row: (row[0], row[2]))
+    listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
+    raise ShapeError(f"functe.{who}: every rank of {group!r} must pass the same shape and dtype: {listing}")
+
+
+def _raise_if_ranks_differ_in_kind(rows: list[list[int]], group: Group, who: str, kind_of: Callable) -> None:
+    """Raise (the same error on every rank) if a rank met the check only to raise its own error, or
+    if the ranks' rows are different collectives (``kind_of(row)`` differs)."""
     raising = [r for r, row in enumerate(rows) if row[0] == _RAISING]
     if raising:
         ranks = ", ".join(str(r) for r in raising)
@@ -186,13 +200,12 @@ def _check(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> N
             f"functe.{who}: rank(s) {ranks} of {group!r} raised an argument error instead of joining this "
             "collective (their error says which argument), so this rank stops too"
         )
-    listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
-    if any((row[0], row[2]) != (rows[0][0], rows[0][2]) for row in rows):
+    if any(kind_of(row) != kind_of(rows[0]) for row in rows):
+        listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
         raise DistributedError(
             f"functe.{who}: the ranks of {group!r} run different collectives at this point: {listing} "
             "(every rank must run the same ops in the same order)"
         )
-    raise ShapeError(f"functe.{who}: every rank of {group!r} must pass the same shape and dtype: {listing}")
 
 
 def check_same_layout(layout: str, like: Tensor, group: Group, who: str) -> None:
@@ -200,7 +213,10 @@ def check_same_layout(layout: str, like: Tensor, group: Group, who: str) -> None
     structure, shapes and dtypes): a flat buffer of one size can hide different layouts."""
     if group.size == 1 or _skip_check(like):
         return
-    sums = [row[0] for row in _from_every_rank([zlib.crc32(layout.encode())], like.device, group)]
+    mine = [_LAYOUT, zlib.crc32(layout.encode())] + [0] * (_SIGNATURE_LEN - 2)
+    rows = _from_every_rank(mine, like.device, group)
+    _raise_if_ranks_differ_in_kind(rows, group, who, lambda row: row[0])
+    sums = [row[1] for row in rows]
     if len(set(sums)) > 1:
         listing = ", ".join(f"rank {r}: {c:08x}" for r, c in enumerate(sums))
         raise ShapeError(
@@ -216,7 +232,7 @@ def meet_before_raising(x: Tensor, group: Group) -> None:
     rank's stand-in as another collective). Ranks failing alike meet alike and raise their own errors."""
     if group.size == 1 or _skip_check(x):
         return
-    mine = [_RAISING] + [0] * (len(_signature("all_reduce", x, 0, "sum")) - 1)
+    mine = [_RAISING] + [0] * (_SIGNATURE_LEN - 1)
     try:
         _from_every_rank(mine, x.device, group)
     except Exception:  # (a group that cannot communicate): the caller's own error says more

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._collectives import check_same_layout, collective, resolve_group
+from ._collectives import check_same_layout, collective, meet_before_raising, resolve_group
 from ._errors import DTypeError, describe
 from ._train import value_and_grad
 from ._tree import tree_flatten, tree_unflatten
@@ -46,6 +46,10 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
     leaves, spec = tree_flatten(tree)
     for leaf in leaves:
         if leaf is not None and not (isinstance(leaf, Tensor) and leaf.is_floating_point()):
+            # (the other ranks may be waiting in the layout check: tell them, on any tensor's device)
+            like = next((t for t in leaves if isinstance(t, Tensor)), None)
+            if like is not None:
+                meet_before_raising(like, g)
             raise DTypeError(
                 f"functe.all_reduce_gradients: every leaf must be a floating-point tensor or None, got {describe(leaf)}"
             )

@@ -530,6 +530,26 @@ def sequence_parallel_error_on_one_rank() -> list[str]:
     return _errors_of(cases)
 
 
+def gradient_reduction_meets_other_ranks() -> list[str]:
+    """all_reduce_gradients against a rank raising an argument error or running another collective."""
+    r = rank()
+    w = seeded((4, 8), seed=802)
+    grads = {"w": torch.ones(2, 3)}
+    cases = [
+        # (rank 1's linear fails its local check and meets rank 0's layout check to say so: the two
+        # exchanged signatures of different lengths, and gloo aborted the process)
+        lambda: (
+            functe.all_reduce_gradients(grads)
+            if r == 0
+            else ops.linear(torch.ones(3, 2, 4), part(w, 1), tensor_parallel_mode="row", sequence_parallel=True)
+        ),
+        lambda: functe.all_reduce_gradients(grads) if r == 0 else ops.all_reduce(torch.ones(2, 3)),
+        # (rank 1's integer leaf raised at once while rank 0 waited in the layout check)
+        lambda: functe.all_reduce_gradients(grads if r == 0 else {"w": torch.ones(2, 3, dtype=torch.int32)}),
+    ]
+    return _errors_of(cases)
+
+
 def group_and_dtype_errors() -> list[str]:
     """A group this rank is not in, and dtypes the signature once coded alike (int8 vs bool)."""
     outside = dist.new_group([1])  # (every rank calls new_group; rank 0 gets NON_GROUP_MEMBER)

@@ -293,6 +293,25 @@ def test_a_local_sequence_parallel_error_on_one_rank_raises_on_every_rank(pool):
 
 
 @pytest.mark.distributed
+def test_gradient_reduction_meets_a_raising_rank_or_another_collective(pool):
+    first, second = pool.run(checks.gradient_reduction_meets_other_ranks, timeout=60)
+    raised = "rank(s) 1 of Group('0', size=2) raised an argument error instead of joining this collective"
+    stops = "(their error says which argument), so this rank stops too"
+    assert first[0] == f"DistributedError: functe.all_reduce_gradients: {raised} {stops}"
+    assert second[0].startswith("ShapeError: functe.linear: argument 'x' expected dim 0 divisible by the")
+    different = (
+        "run different collectives at this point: rank 0 calls all_reduce_gradients' layout check, "
+        "rank 1 calls all_reduce(f32[2,3], sum)"
+    )
+    assert first[1].startswith("DistributedError: functe.all_reduce_gradients: the ranks of") and different in first[1]
+    assert second[1].startswith("DistributedError: functe.all_reduce: the ranks of") and different in second[1]
+    assert raised in first[2] and first[2].startswith("DistributedError: functe.all_reduce_gradients:")
+    assert second[2] == (
+        "DTypeError: functe.all_reduce_gradients: every leaf must be a floating-point tensor or None, got i32[2,3]"
+    )
+
+
+@pytest.mark.distributed
 def test_a_non_member_group_and_dtypes_outside_the_old_table_are_named(pool):
     first, second = pool.run(checks.group_and_dtype_errors, timeout=60)
     # int8 on rank 0 and bool on rank 1 both had code -1: gloo reinterpreted the bytes silently
