@@ -550,6 +550,17 @@ def gradient_reduction_meets_other_ranks() -> list[str]:
     return _errors_of(cases)
 
 
+def collective_argument_error_on_one_rank() -> list[str]:
+    """Rank 1's collective fails a local argument check (a dim its x lacks, an integer x to sum)."""
+    r = rank()
+    cases = [
+        lambda: ops.all_gather(torch.ones(2, 3) if r == 0 else torch.ones(6), dim=1),
+        lambda: ops.reduce_scatter(torch.ones(4, 2), dim=1 if r == 0 else 2),
+        lambda: ops.all_reduce(torch.ones(2) if r == 0 else torch.ones(2, dtype=torch.int32)),
+    ]
+    return _errors_of(cases)
+
+
 def group_and_dtype_errors() -> list[str]:
     """A group this rank is not in, and dtypes the signature once coded alike (int8 vs bool)."""
     outside = dist.new_group([1])  # (every rank calls new_group; rank 0 gets NON_GROUP_MEMBER)

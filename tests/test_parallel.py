@@ -312,6 +312,18 @@ def test_gradient_reduction_meets_a_raising_rank_or_another_collective(pool):
 
 
 @pytest.mark.distributed
+def test_a_collective_argument_error_on_one_rank_raises_on_every_rank(pool):
+    # rank 1 raised at once; rank 0 waited in the cross-rank check until the group's timeout
+    ok, failing = pool.run(checks.collective_argument_error_on_one_rank, timeout=60)
+    assert failing[0].startswith("ShapeError: functe.all_gather: argument 'x' expected a tensor with a dimension 1")
+    assert failing[1].startswith("ShapeError: functe.reduce_scatter: argument 'x' expected a tensor with a dimension 2")
+    assert failing[2].startswith("DTypeError: functe.all_reduce: argument 'x' expected dtype f32|f16|bf16")
+    raised = "rank(s) 1 of Group('0', size=2) raised an argument error instead of joining this collective"
+    for op, message in zip(("all_gather", "reduce_scatter", "all_reduce"), ok):
+        assert message.startswith(f"DistributedError: functe.{op}: {raised}"), message
+
+
+@pytest.mark.distributed
 def test_a_non_member_group_and_dtypes_outside_the_old_table_are_named(pool):
     first, second = pool.run(checks.group_and_dtype_errors, timeout=60)
     # int8 on rank 0 and bool on rank 1 both had code -1: gloo reinterpreted the bytes silently

@@ -13,18 +13,33 @@ this rank's input.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
-from .._collectives import collective, resolve_group
-from .._errors import check_flag, check_tensor, shape_error
+from .._collectives import Group, collective, meet_before_raising, resolve_group
+from .._errors import FuncteError, check_flag, check_tensor, shape_error
 from .._vjp import custom_vjp
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 Tensor = torch.Tensor
+
+
+@contextlib.contextmanager
+def _raising_together(x: object, group: Group) -> Iterator[None]:
+    """Local argument checks whose failure may be this rank's alone (its x has another rank or
+    dtype): the failing rank first joins the other ranks' cross-rank check, saying it raises, so
+    they raise too instead of waiting there until the group's timeout."""
+    try:
+        yield
+    except FuncteError:
+        if isinstance(x, Tensor):
+            meet_before_raising(x, group)
+        raise
 
 
 def _dim(op: str, x: Tensor, dim: object) -> int:
@@ -64,9 +79,10 @@ def all_gather(x: Tensor, *, group: ProcessGroup | None = None, dim: int = 0) ->
         >>> ops.all_gather(torch.ones(2, 3)).shape  # a single process: the identity
         torch.Size([2, 3])
     """
-    check_tensor("all_gather", "x", x, dtypes=None)
     g = resolve_group("all_gather", group)
-    dim = _dim("all_gather", x, dim)
+    with _raising_together(x, g):
+        check_tensor("all_gather", "x", x, dtypes=None)
+        dim = _dim("all_gather", x, dim)
     if g.size == 1:
         return x
     return _all_gather(x, group=g, dim=dim)
@@ -98,9 +114,10 @@ def reduce_scatter(x: Tensor, *, group: ProcessGroup | None = None, dim: int = 0
         >>> ops.reduce_scatter(torch.ones(4, 2)).shape
         torch.Size([4, 2])
     """
-    check_tensor("reduce_scatter", "x", x)
     g = resolve_group("reduce_scatter", group)
-    dim = _dim("reduce_scatter", x, dim)  # (divisibility is checked after the cross-rank check: no hang)
+    with _raising_together(x, g):
+        check_tensor("reduce_scatter", "x", x)
+        dim = _dim("reduce_scatter", x, dim)  # (divisibility is checked after the cross-rank check)
     if g.size == 1:
         return x
     return _reduce_scatter(x, group=g, dim=dim)
@@ -137,9 +154,10 @@ def all_reduce(x: Tensor, *, group: ProcessGroup | None = None, reduce_in_backwa
         >>> ops.all_reduce(torch.tensor([1.0, 2.0])).tolist()
         [1.0, 2.0]
     """
-    check_tensor("all_reduce", "x", x)
-    check_flag("all_reduce", "reduce_in_backward", reduce_in_backward)
     g = resolve_group("all_reduce", group)
+    with _raising_together(x, g):
+        check_tensor("all_reduce", "x", x)
+        check_flag("all_reduce", "reduce_in_backward", reduce_in_backward)
     if g.size == 1:
         return x
     return _all_reduce(x, group=g, reduce_in_backward=reduce_in_backward)
