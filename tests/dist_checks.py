@@ -505,8 +505,9 @@ def layouts_hidden_by_one_size() -> list[str]:
     return messages
 
 
-def sequence_parallel_error_on_one_rank() -> list[str]:
-    """Rank 1's x fails a local sequence-parallel check, rank 0's is fine: both raise, neither waits."""
+def argument_error_on_one_rank() -> list[str]:
+    """Rank 1's x fails a local check (sequence parallelism's, then a plain collective's: a dim its x
+    lacks, an integer x to sum), rank 0's is fine: both raise, neither waits."""
     r = rank()
     w = seeded((4, 8), seed=801)
     sp = {"sequence_parallel": True}
@@ -526,6 +527,9 @@ def sequence_parallel_error_on_one_rank() -> list[str]:
             tensor_parallel_mode="column",
             **sp,
         ),
+        lambda: ops.all_gather(torch.ones(2, 3) if r == 0 else torch.ones(6), dim=1),
+        lambda: ops.reduce_scatter(torch.ones(4, 2), dim=1 if r == 0 else 2),
+        lambda: ops.all_reduce(torch.ones(2) if r == 0 else torch.ones(2, dtype=torch.int32)),
     ]
     return _errors_of(cases)
 
@@ -546,17 +550,6 @@ def gradient_reduction_meets_other_ranks() -> list[str]:
         lambda: functe.all_reduce_gradients(grads) if r == 0 else ops.all_reduce(torch.ones(2, 3)),
         # (rank 1's integer leaf raised at once while rank 0 waited in the layout check)
         lambda: functe.all_reduce_gradients(grads if r == 0 else {"w": torch.ones(2, 3, dtype=torch.int32)}),
-    ]
-    return _errors_of(cases)
-
-
-def collective_argument_error_on_one_rank() -> list[str]:
-    """Rank 1's collective fails a local argument check (a dim its x lacks, an integer x to sum)."""
-    r = rank()
-    cases = [
-        lambda: ops.all_gather(torch.ones(2, 3) if r == 0 else torch.ones(6), dim=1),
-        lambda: ops.reduce_scatter(torch.ones(4, 2), dim=1 if r == 0 else 2),
-        lambda: ops.all_reduce(torch.ones(2) if r == 0 else torch.ones(2, dtype=torch.int32)),
     ]
     return _errors_of(cases)
 

@@ -25,6 +25,8 @@ from functe.testing import assert_close
 
 FAKE = functe.Group("fake", 2)  # traced programs record it; they never communicate
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# what a valid rank raises when rank 1 fails a local argument check before a collective
+RAISED = "rank(s) 1 of Group('0', size=2) raised an argument error instead of joining this collective"
 
 
 # ----------------------------------------------------------------------------- one process
@@ -278,26 +280,28 @@ def test_layouts_that_one_flat_size_hides_are_refused(pool):
 
 
 @pytest.mark.distributed
-def test_a_local_sequence_parallel_error_on_one_rank_raises_on_every_rank(pool):
+def test_a_local_argument_error_on_one_rank_raises_on_every_rank(pool):
     # Rank 1 failed its check at once while rank 0 waited in the collective until the group timed out.
-    ok, failing = pool.run(checks.sequence_parallel_error_on_one_rank, timeout=60)
+    ok, failing = pool.run(checks.argument_error_on_one_rank, timeout=60)
     assert failing[0].startswith("ShapeError: functe.linear: argument 'x' expected dim 0 divisible by the")
     assert failing[1].startswith("ShapeError: functe.linear: argument 'x' expected rank >= 2 with sequence")
     assert failing[2].startswith("ShapeError: functe.fp8_linear: argument 'x' expected dim 0 divisible by")
     assert failing[3].startswith("ShapeError: functe.fp8_linear: argument 'x' expected rank >= 2 with sequence")
+    assert failing[4].startswith("ShapeError: functe.all_gather: argument 'x' expected a tensor with a dimension 1")
+    assert failing[5].startswith("ShapeError: functe.reduce_scatter: argument 'x' expected a tensor with a dimension 2")
+    assert failing[6].startswith("DTypeError: functe.all_reduce: argument 'x' expected dtype f32|f16|bf16")
     # (the valid rank learns that rank 1 raised; under current scaling it said the ranks ran different
     # collectives, reading rank 1's stand-in all-gather against its own amax all-reduce)
-    raised = "rank(s) 1 of Group('0', size=2) raised an argument error instead of joining this collective"
-    assert all(m.startswith("DistributedError: functe.") and raised in m for m in ok), ok
+    assert all(m.startswith("DistributedError: functe.") and RAISED in m for m in ok), ok
     assert "amax reduction" in ok[3]
+    assert [m.split(":")[1] for m in ok[4:]] == [" functe.all_gather", " functe.reduce_scatter", " functe.all_reduce"]
 
 
 @pytest.mark.distributed
 def test_gradient_reduction_meets_a_raising_rank_or_another_collective(pool):
     first, second = pool.run(checks.gradient_reduction_meets_other_ranks, timeout=60)
-    raised = "rank(s) 1 of Group('0', size=2) raised an argument error instead of joining this collective"
     stops = "(their error says which argument), so this rank stops too"
-    assert first[0] == f"DistributedError: functe.all_reduce_gradients: {raised} {stops}"
+    assert first[0] == f"DistributedError: functe.all_reduce_gradients: {RAISED} {stops}"
     assert second[0].startswith("ShapeError: functe.linear: argument 'x' expected dim 0 divisible by the")
     different = (
         "run different collectives at this point: rank 0 calls all_reduce_gradients' layout check, "
@@ -305,22 +309,10 @@ def test_gradient_reduction_meets_a_raising_rank_or_another_collective(pool):
     )
     assert first[1].startswith("DistributedError: functe.all_reduce_gradients: the ranks of") and different in first[1]
     assert second[1].startswith("DistributedError: functe.all_reduce: the ranks of") and different in second[1]
-    assert raised in first[2] and first[2].startswith("DistributedError: functe.all_reduce_gradients:")
+    assert RAISED in first[2] and first[2].startswith("DistributedError: functe.all_reduce_gradients:")
     assert second[2] == (
         "DTypeError: functe.all_reduce_gradients: every leaf must be a floating-point tensor or None, got i32[2,3]"
     )
-
-
-@pytest.mark.distributed
-def test_a_collective_argument_error_on_one_rank_raises_on_every_rank(pool):
-    # rank 1 raised at once; rank 0 waited in the cross-rank check until the group's timeout
-    ok, failing = pool.run(checks.collective_argument_error_on_one_rank, timeout=60)
-    assert failing[0].startswith("ShapeError: functe.all_gather: argument 'x' expected a tensor with a dimension 1")
-    assert failing[1].startswith("ShapeError: functe.reduce_scatter: argument 'x' expected a tensor with a dimension 2")
-    assert failing[2].startswith("DTypeError: functe.all_reduce: argument 'x' expected dtype f32|f16|bf16")
-    raised = "rank(s) 1 of Group('0', size=2) raised an argument error instead of joining this collective"
-    for op, message in zip(("all_gather", "reduce_scatter", "all_reduce"), ok):
-        assert message.startswith(f"DistributedError: functe.{op}: {raised}"), message
 
 
 @pytest.mark.distributed
