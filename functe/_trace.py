@@ -182,6 +182,15 @@ def _record(op: CustomVJP, args: tuple, static: dict[str, Any]):
     leaves, in_tree = tree_flatten(args)
     if not any(isinstance(leaf, Tracer) for leaf in leaves):
         return NotImplemented  # constants only: compute now, the result is a constant
+    if not torch.is_grad_enabled():
+        # (the trace itself runs with grad on: the function turned it off. Unfused, the op's outputs
+        # would carry no gradient; an op list has no stop-gradient, so the plan would differentiate it)
+        raise TraceError(
+            f"functe.{op.name}: called on a traced value with gradients off (torch.no_grad(), "
+            "set_grad_enabled(False) or inference_mode() inside the traced function); the op list would "
+            "differentiate it. Compute it outside and pass it in as an argument, or wrap that part in "
+            "functe.opaque(fn)"
+        )
     trace = _active
     inputs = [_atom(op.name, leaf, trace) for leaf in leaves]
     device = next(a.device if isinstance(a, Var) else a.value.device for a in inputs if _is_tensor_atom(a))

@@ -142,6 +142,32 @@ def test_captured_tensor_requiring_grad_is_refused():
         functe.trace(lambda x: ops.linear(x, w))(torch.zeros(2, 3))
 
 
+@pytest.mark.parametrize(
+    "gradients_off",
+    [torch.no_grad, lambda: torch.set_grad_enabled(False), torch.inference_mode],
+    ids=["no_grad", "set_grad_enabled", "inference_mode"],
+)
+def test_an_op_on_a_traced_value_with_gradients_off_is_refused(gradients_off):
+    # Unfused, the block's output carries no gradient (a stop-gradient); the op list recorded it like
+    # any op and the fused program differentiated it: dL/dw came out twice the unfused value.
+    def fn(x, w):
+        with gradients_off():
+            target = ops.linear(x, w)
+        return ops.linear(x, w) + target
+
+    x, w = make((4, 8)), make((8, 8))
+    with pytest.raises(functe.TraceError, match=r"functe\.linear: called on a traced value with gradients off"):
+        functe.fuse(fn)(x, w)
+    # a constant computed under no_grad (no traced value reaches the op) stays fine
+    g, x = functe.fuse(lambda x: ops.bias(x, _no_grad_linear(w))), make((3, 8))
+    assert_close(g(x), ops.bias(x, _no_grad_linear(w)))
+
+
+def _no_grad_linear(w):
+    with torch.no_grad():
+        return ops.linear(torch.ones(1, 8), w).reshape(8)
+
+
 def test_constants_made_under_torch_func_grad_are_literals():
     # First traced under torch.func.grad: the int seed becomes a tensor inside the transform, a
     # grad-tracking wrapper of a constant. It was refused as a "captured tensor requiring gradients";
