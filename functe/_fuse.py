@@ -49,7 +49,7 @@ from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_co
 from ._recipe import check_recipe
 from ._rng import RandomState
 from ._trace import trace_call, vjp_call
-from ._tree import is_pytree_dataclass, rebuild_dataclass, tree_flatten, tree_leaves, tree_unflatten
+from ._tree import NAMESPACE, is_pytree_dataclass, rebuild_dataclass, tree_flatten, tree_leaves, tree_unflatten
 from ._vjp import (
     _guard,
     _refuse_compiled_transforms,
@@ -993,9 +993,10 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _dict_keys(tree: tuple) -> tuple:
-    """The keys of every dict among ``tree``'s containers, in insertion order and with their types.
+    """The keys of every dict among ``tree``'s nodes, in insertion order and with their types.
 
-    (One ``isinstance`` per value: this runs on every cached call.)
+    (One or two ``isinstance`` per value: this runs on every cached call. Nodes other than the
+    builtin containers, a ``pytree_dataclass`` or a ``deque`` holding a dict, open one level.)
     """
     found: list = []
 
@@ -1005,12 +1006,17 @@ def _dict_keys(tree: tuple) -> tuple:
                 if isinstance(value, dict):
                     found.append((tuple(value), tuple(map(type, value))))
                 walk(value)
+            elif not isinstance(value, _PLAIN_LEAVES) and not optree.tree_is_leaf(
+                value, none_is_leaf=True, namespace=NAMESPACE
+            ):
+                walk(optree.tree_flatten_one_level(value, none_is_leaf=True, namespace=NAMESPACE).children)
 
     walk(tree)
     return tuple(found)
 
 
 _CONTAINERS = (dict, tuple, list)
+_PLAIN_LEAVES = (torch.Tensor, int, float, str, type(None), torch.dtype, torch.device)
 
 
 def fuse(fn: Callable, *, recipe: Any = None, rules=None) -> Fused:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import warnings
@@ -319,6 +320,20 @@ def test_dict_key_order_and_key_types_are_part_of_the_signature():
         assert [(type(k), k) for k in got[0]] == [(type(k), k) for k in want[0]]
         assert torch.equal(got[1], want[1])
     assert fused.trace_count == 5
+    # ... and inside other nodes: a pytree_dataclass's field, a deque (only dicts among the builtin
+    # containers were walked: the plan for {"a", "b"} served {"b", "a"} with the outputs swapped)
+    fused = functe.fuse(lambda p: fn(p.layers[0]))
+    for d in ({"a": x, "b": y}, {"b": y, "a": x}, {1: x, "z": y}, {True: x, "z": y}):
+        for p in (_Layers(collections.deque([d])), _Layers(collections.deque([d, None]))):
+            got, want = fused(p), fn(d)
+            assert [(type(k), k) for k in got[0]] == [(type(k), k) for k in want[0]]
+            assert torch.equal(got[1], want[1])
+    assert fused.trace_count == 8
+
+
+@functe.pytree_dataclass
+class _Layers:
+    layers: collections.deque
 
 
 def test_a_captured_constant_output_is_returned_as_is_and_left_alone():
