@@ -463,8 +463,8 @@ def _draws(func, args: tuple, kwargs: dict) -> bool:
 
 
 def _reachable_storages(fn: Callable) -> set[int]:
-    """Storages of the tensors ``fn`` reaches by name (closure, defaults, the globals its code names;
-    a module's parameters and buffers): what a write inside a trace would change once only."""
+    """Storages of the tensors ``fn`` reaches by name (:func:`_named_values`; a module's parameters and
+    buffers): what a write inside a trace would change once only."""
     values = list(_named_values(fn))
     storages = set()
     for v in values:
@@ -475,13 +475,32 @@ def _reachable_storages(fn: Callable) -> set[int]:
     return storages
 
 
-def _named_values(fn: Callable) -> list:
-    """What a plain function reaches by name: its closure, defaults and the globals its code names."""
-    if not isinstance(fn, types.FunctionType):
+def _named_values(fn: Callable, depth: int = 0) -> list:
+    """What a callable reaches by name: a plain function's closure, defaults and the globals its code
+    names; a partial's bound arguments; a bound method's object; a module itself (its parameters and
+    buffers); another callable object's attributes; and, for the last three, what their function
+    (``forward``, ``__call__``) reaches. (Only plain functions were looked at: ``opaque(module)``
+    lost the module's gradients and ``fuse(module)`` wrote its buffers once.)"""
+    if isinstance(fn, types.FunctionType):
+        values = [c.cell_contents for c in fn.__closure__ or () if _cell_filled(c)]
+        values += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+        return values + [fn.__globals__[n] for n in fn.__code__.co_names if n in fn.__globals__]
+    if depth > 3 or isinstance(fn, types.BuiltinFunctionType):  # (a chain of wrappers: enough levels)
         return []
-    values = [c.cell_contents for c in fn.__closure__ or () if _cell_filled(c)]
-    values += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
-    return values + [fn.__globals__[n] for n in fn.__code__.co_names if n in fn.__globals__]
+    if isinstance(fn, functools.partial):
+        return [*fn.args, *fn.keywords.values(), *_named_values(fn.func, depth + 1)]
+    if isinstance(fn, types.MethodType):
+        return [*_object_values(fn.__self__), *_named_values(fn.__func__, depth + 1)]
+    if isinstance(fn, torch.nn.Module):
+        return [fn, *_named_values(type(fn).forward, depth + 1)]
+    return [*_object_values(fn), *_named_values(type(fn).__call__, depth + 1)]
+
+
+def _object_values(obj: object) -> list:
+    """An object a method is bound to, and (unless it is a module) its attributes."""
+    if isinstance(obj, torch.nn.Module):
+        return [obj]
+    return [obj, *getattr(obj, "__dict__", {}).values()]
 
 
 def _unwrapped(t: Tensor) -> Tensor:
@@ -583,8 +602,7 @@ def _refuse_captured_grads(fn: Callable, label: str) -> None:
     """Raise if ``fn`` uses a tensor (or a module's parameter) that requires grad without taking it as
     an argument: the opaque op differentiates its arguments only, so that gradient would be lost.
 
-    Looks at what a plain function can reach by name: its closure, defaults and the globals its code
-    names (one level deep, at backward time).
+    Looks at what ``fn`` reaches by name (:func:`_named_values`: one level deep, at backward time).
     """
     for v in _named_values(fn):
         if (isinstance(v, Tensor) and v.requires_grad) or (

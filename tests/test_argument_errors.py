@@ -3,6 +3,7 @@ rules and the fuse cache (cases an API fuzz found)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ import functe
 from functe import ops
 from functe.ops import _core
 from functe.rules import Pattern, Rule, RuleSet, check
+from functe.testing import assert_close
 
 X = make((4, 8))
 
@@ -234,6 +236,28 @@ def test_an_opaque_function_that_loses_a_captured_gradient_raises():
     module = torch.nn.Linear(4, 2)
     with pytest.raises(functe.ArgumentError, match=r"uses Linear that requires grad"):
         functe.opaque(lambda x: module(x))(x).sum().backward()
+
+    # the module itself, its bound forward, a partial binding the weight, a callable object holding
+    # it: only plain functions were looked at, and module.weight.grad stayed None
+    class Scaled:
+        def __init__(self, q):
+            self.q = q
+
+        def __call__(self, x):
+            return x * self.q
+
+    for fn, what in [
+        (module, "Linear"),
+        (module.forward, "Linear"),
+        (functools.partial(F.linear, weight=module.weight), r"f32\[2,4\]"),
+        (Scaled(q), r"f32\[4\]"),
+        (Scaled(q).__call__, r"f32\[4\]"),
+    ]:
+        with pytest.raises(functe.ArgumentError, match=rf"uses {what} that requires grad"):
+            functe.opaque(fn)(x).sum().backward()
+        assert module.weight.grad is None and q.grad is None
+    frozen = torch.nn.Linear(4, 2).requires_grad_(False)
+    assert_close(torch.autograd.grad(functe.opaque(frozen)(x).sum(), x)[0], frozen.weight.sum(0).expand(3, 4))
 
 
 def test_an_opaque_function_with_a_captured_constant_traces():

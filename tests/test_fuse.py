@@ -1011,6 +1011,23 @@ def test_draws_and_writes_inside_a_traced_function_are_refused():
     with pytest.raises(functe.TraceError, match=r"Tensor\.add_ writes into f32\[\] captured from the enclosing"):
         functe.fuse(lambda x: (step.add_(1), ops.constant_scale(x, 2.0))[1])(x)
     assert step.item() == 0.0
+    # a module's buffer, fusing the module or its bound forward (only plain functions were looked at:
+    # the buffer counted one call of three)
+    counter = _Counter()
+    for fn in (counter, counter.forward):
+        with pytest.raises(functe.TraceError, match=r"Tensor\.add_ writes into f32\[\] captured from the enclosing"):
+            functe.fuse(fn)(x)
+    assert counter.steps.item() == 0.0
+
+
+class _Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return ops.constant_scale(x, 2.0)
 
 
 def test_returned_constants_autocast_inference_mode_fill_values_and_new_storage():
