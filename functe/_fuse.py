@@ -44,7 +44,7 @@ import torch
 from . import _trace
 from ._backend import any_tangent
 from ._errors import ArgumentError, TraceError, TransformError, called_as, describe
-from ._kernel import empty_batched
+from ._kernel import batched, empty_batched
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._recipe import check_recipe
 from ._rng import RandomState
@@ -524,6 +524,9 @@ class Plan:
             if isinstance(a, Literal) and isinstance(a.value, torch.Tensor)
         ]
         self._opaque_eqns = [e for e in program.eqns if getattr(e.op, "opaque_check", None)]
+        # (an op made with custom_vjp(batching=None) refuses vmap unfused; the plan runs its forward
+        # rule directly, so the program refuses in its place)
+        self.unbatchable = next((e.op.name for e in program.eqns if getattr(e.op, "batching", "") is None), None)
         # Captured tensors whose values the trace folded into constants (weakly: a freed one cannot
         # change), with their version counters and requires_grad: an in-place update, or a tensor
         # starting to require grad, makes the plan stale (retraced), see _trace._CapturedWatch.
@@ -836,6 +839,11 @@ class Fused:
             return plan.infer(*tensors)
         index, tensors = self._lookup(args, kwargs)
         plan = self._plans[index]
+        if plan.unbatchable is not None and batched(tensors):
+            raise TransformError(
+                f"functe.fuse({self.__name__}): its op {plan.unbatchable} has no batching rule "
+                "(custom_vjp(batching=None)): it cannot be used under torch.func.vmap"
+            )
         if plan.differentiable and torch.is_grad_enabled():
             needs = tuple(t.requires_grad for t in tensors)
             # Only the inputs that want gradients keep their backward steps' residuals (autograd

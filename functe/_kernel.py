@@ -414,18 +414,27 @@ def _tensors(value: Any):
         yield value
 
 
+def _batch_sizes(tensors):
+    """The member count of every vmap level each of ``tensors`` is batched at (its own levels only)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+        return  # (functe refuses compiled transforms, docs/design.md: no vmap when compiling)
+    functorch = torch._C._functorch
+    for t in tensors:
+        while isinstance(t, Tensor) and functorch.is_functorch_wrapped_tensor(t):
+            inner = functorch.get_unwrapped(t)
+            if functorch.is_batchedtensor(t):
+                yield inner.shape[functorch.maybe_get_bdim(t)]
+            t = inner
+
+
 def empty_batched(tensors) -> bool:
     """Whether any of ``tensors`` is vmapped over 0 members at some level (a backward rule then runs
     on batched tensors of no members, where torch 2.13's batching rules fail on ``x * s`` with a
     0-d ``s``: see :func:`vmap_call`). Only the tensors' own levels count: an unbatched gradient
     taken inside an empty vmap is a real one."""
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
-        return False  # (functe refuses compiled transforms, docs/design.md: no vmap when compiling)
-    functorch = torch._C._functorch
-    for t in tensors:
-        while isinstance(t, Tensor) and functorch.is_functorch_wrapped_tensor(t):
-            inner = functorch.get_unwrapped(t)
-            if functorch.is_batchedtensor(t) and inner.shape[functorch.maybe_get_bdim(t)] == 0:
-                return True
-            t = inner
-    return False
+    return any(size == 0 for size in _batch_sizes(tensors))
+
+
+def batched(tensors) -> bool:
+    """Whether any of ``tensors`` is vmapped at some level."""
+    return any(True for _ in _batch_sizes(tensors))

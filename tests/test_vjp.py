@@ -245,6 +245,16 @@ def test_no_batching_rule_raises_naming_the_op():
     op = functe.custom_vjp("unbatchable", lambda x: (x * 2, None), lambda _, g: (g * 2,), batching=None)
     with pytest.raises(functe.TransformError, match=r"functe\.unbatchable has no batching rule"):
         vmap(op)(torch.ones(3, 2))
+    # inside fuse too (the plan ran its forward rule under vmap, bypassing the refusal), also under
+    # grad and with other ops around it; unbatched, the fused program runs
+    fused = functe.fuse(lambda x, y: op(x + y) * 2.0)
+    x = torch.ones(3, 2)
+    never = r"functe\.fuse\(<lambda>\): its op unbatchable has no batching rule"
+    with pytest.raises(functe.TransformError, match=never):
+        vmap(fused, in_dims=(0, None))(x, torch.ones(2))
+    with pytest.raises(functe.TransformError, match=never):
+        vmap(grad(lambda x: fused(x, x).sum()))(x)
+    assert fused(x, x).tolist() == [[8.0, 8.0]] * 3
 
 
 def test_forward_rule_contract_errors():
