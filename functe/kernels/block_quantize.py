@@ -335,7 +335,7 @@ def block_amax_ref(tiles: Tensor) -> Tensor:
 def unblocked(t: Tensor, shape: torch.Size) -> Tensor:
     """Inverse of :func:`blocked`: back to ``shape`` (padding cut off)."""
     *lead, mb, br, kb, bc = t.shape
-    return t.reshape(*lead, mb * br, kb * bc)[..., : shape[-2], : shape[-1]].reshape(shape)
+    return t.reshape(*lead, mb * br, kb * bc)[..., : shape[-2], : shape[-1]].reshape(shape).contiguous()
 
 
 def by_row_chunks(x: Tensor, tile_rows: int, outputs, rows_fn, *, inputs: tuple = ()) -> bool:

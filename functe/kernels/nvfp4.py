@@ -94,7 +94,7 @@ def stochastic_e2m1(v, u):
     step = tl.where(a < 1.0, 0.5, ((exp - 1) << 23).to(tl.float32, bitcast=True))
     inv_step = tl.where(a < 1.0, 2.0, ((255 - exp) << 23).to(tl.float32, bitcast=True))
     q = tl.where(u < (a - lo) * inv_step, lo + step, lo)
-    q = tl.where(v < 0, -q, q)
+    q = tl.where(v.to(tl.int32, bitcast=True) < 0, -q, q)  # (the sign bit: -0 stays -0, code 8, as the twin)
     return tl.where(v != v, v, q)
 
 
