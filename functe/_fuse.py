@@ -44,7 +44,7 @@ import torch
 from . import _trace
 from ._backend import any_tangent
 from ._errors import ArgumentError, TraceError, TransformError, called_as, describe
-from ._kernel import batched, empty_batched
+from ._kernel import batched, empty_batched, formula_twins
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._recipe import check_recipe
 from ._rng import RandomState
@@ -771,9 +771,11 @@ def _backward_fwd(backward: Callable) -> Callable:
 
 
 def _backward_bwd(backward: Callable, saved, ggrads) -> tuple:
-    # Second order: differentiate the backward plan itself (built from differentiable ops).
+    # Second order: differentiate the backward plan itself (built from differentiable ops; its
+    # kernels as plain formulas, see formula_twins).
     res, cts = saved
-    return vjp_call(backward, (res, cts), ggrads)
+    with formula_twins():
+        return vjp_call(backward, (res, cts), ggrads)
 
 
 # ----------------------------------------------------------------------------- the fused function

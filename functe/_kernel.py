@@ -122,6 +122,8 @@ class Kernel:
         for first in args:
             if isinstance(first, Tensor):
                 break
+        if getattr(_formula_twins, "on", False):
+            return self.twin(*args)  # (see formula_twins)
         if runs_triton(first.device):
             run, function = self.op, self.function
         elif type(first) not in PLAIN_TENSOR_TYPES or first.device.type != "cpu":
@@ -294,6 +296,25 @@ def forward_tangents(fn: Callable, primals: tuple, tangents: tuple) -> Any:
 
 # The torch.func.jvp levels functe's own jvp rules open (per thread), not counted as the caller's.
 _rule_levels = threading.local()
+_formula_twins = threading.local()
+
+
+@contextlib.contextmanager
+def formula_twins():
+    """Kernels called inside run their twins' differentiable formulas directly, with no Function.
+
+    For a fused program's backward plan differentiated under ``torch.func`` (second order): there
+    the plan runs inside ``torch.func.vjp`` inside the backward of an ``autograd.Function``, and a
+    kernel's Function, whose own backward opens ``torch.func.vjp`` again, fails torch 2.13's level
+    check (an INTERNAL ASSERT "escaped?"; a plain Function reproduces it). Second derivatives do
+    not promise the first-order path's bits.
+    """
+    previous = getattr(_formula_twins, "on", False)
+    _formula_twins.on = True
+    try:
+        yield
+    finally:
+        _formula_twins.on = previous
 
 
 def refuse_forward_over_forward(name: str) -> None:
@@ -329,7 +350,9 @@ def with_layout(tangent: Tensor, stride) -> Tensor:
     through the twin follows the twin's layout (a transposed input's, say)."""
     if stride is None or tangent.stride() == stride or 0 in stride:
         return tangent
-    return torch.empty_strided(tangent.shape, stride, dtype=tangent.dtype, device=tangent.device).copy_(tangent)
+    # (new_empty_strided: under vmap (jacfwd, hessian) the tangent is batched, and an unbatched
+    # buffer cannot receive it)
+    return tangent.new_empty_strided(tangent.shape, stride).copy_(tangent)
 
 
 def dense(t: Tensor) -> Tensor:

@@ -95,6 +95,11 @@ def test_tangents_take_the_outputs_layout(backend, name, fn):
     with functe.use_backend(backend), fwAD.dual_level():
         tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x.clone().requires_grad_(), t))).tangent
     assert_close(tangent, torch.func.jvp(fn, (x.contiguous(),), (t.contiguous(),))[1])
+    # ... and batched tangents (jacfwd, hessian): the relayout copied them into an unbatched buffer
+    with functe.use_backend(backend):
+        assert_close(torch.func.jacfwd(fn)(x), torch.func.jacrev(fn)(x.contiguous()))
+        loss = lambda x: fn(x).sin().sum()
+        assert_close(torch.func.hessian(loss)(x), torch.func.jacrev(torch.func.jacrev(loss))(x.contiguous()))
 
 
 @pytest.mark.parametrize("op", [ops.identity, ops.make_extra_output, functe.fuse(ops.identity)])
