@@ -115,6 +115,21 @@ def test_a_compiled_fused_function_recompiles_for_new_shapes_and_static_values()
     )
 
 
+def test_a_compiled_fused_training_step_compiles_once_for_new_tensors_of_one_signature():
+    # _distinct compared id()s, on which Dynamo guards: every new batch tensor recompiled, and with
+    # fullgraph=True the 9th step hit the recompile limit (fullgraph=False fell back to eager)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fused = functe.fuse(lambda x, w: ops.linear(x, w) + x)
+    compiled = torch.compile(fused, backend="eager", fullgraph=True)
+    w = make((8, 8)).requires_grad_()
+    for _ in range(10):
+        x = make((4, 8))
+        got, want = compiled(x, w), fused(x, w)
+        assert torch.equal(torch.autograd.grad(got.sum(), w)[0], torch.autograd.grad(want.sum(), w)[0])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_compiled_dropout_with_a_changing_p():
     # The fp32 scale 1/(1-p) is folded by Dynamo (assume_constant_result): a symbolic p raised.
     fn = lambda x, p: ops.dropout(x, p, seed=torch.tensor(3))
