@@ -17,7 +17,7 @@ import optree
 import torch
 
 from ._checkpoint import _key
-from ._errors import StateError, describe
+from ._errors import ArgumentError, StateError, describe
 from ._fp8_state import hides_tensors, state_from_gradient
 from ._tree import NAMESPACE, tree_flatten, tree_unflatten
 
@@ -26,7 +26,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
     """``fn(params, state, *args) -> loss`` to ``(loss, param_grads, next_state)``.
 
     Args:
-        fn: the loss function; ``params`` and ``state`` are pytrees of tensors (``state`` made of
+        fn: the loss function; ``params`` and ``state`` are pytrees of tensors (``params`` of
+            floating-point tensors, ``None`` leaves getting ``None`` gradients; ``state`` made of
             :class:`functe.ScalingState` s, e.g. :class:`functe.LinearScalingState` s, or ``None``).
         has_aux: ``fn`` returns ``(loss, aux)``; the result's first item is then ``(loss, aux)``.
         check: reject a state that was used twice in the step (one host synchronisation;
@@ -53,12 +54,16 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
     def step(params, state, *args, **kwargs):
         leaves, spec = tree_flatten(state)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        param_leaves, param_spec = tree_flatten(params)
+        trainable = _trainable_positions(param_leaves, params)
 
         def with_state(p, tensors):
-            full = list(leaves)
+            full, full_params = list(leaves), list(param_leaves)
             for i, t in zip(positions, tensors):
                 full[i] = t
-            return fn(p, tree_unflatten(spec, full), *args, **kwargs)
+            for i, t in zip(trainable, p):
+                full_params[i] = t
+            return fn(tree_unflatten(param_spec, full_params), tree_unflatten(spec, full), *args, **kwargs)
 
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
@@ -79,12 +84,33 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
                     f"functe.value_and_grad: state leaf {_key(path)!r} expected a float32 "
                     f"tensor (states travel back through the gradient), got {describe(t)}"
                 )
-        grads, value = torch.func.grad_and_value(with_state, argnums=(0, 1), has_aux=has_aux)(params, tensors)
-        param_grads, state_grads = grads
+        trainable_params = [param_leaves[i] for i in trainable]
+        grads, value = torch.func.grad_and_value(with_state, argnums=(0, 1), has_aux=has_aux)(trainable_params, tensors)
+        trainable_grads, state_grads = grads
         full = list(leaves)
         for i, g in zip(positions, state_grads):
             full[i] = g
         next_state = state_from_gradient(state, tree_unflatten(spec, full), check=check)
-        return value, param_grads, next_state
+        param_grads: list = [None] * len(param_leaves)
+        for i, g in zip(trainable, trainable_grads):
+            param_grads[i] = g
+        return value, tree_unflatten(param_spec, param_grads), next_state
 
     return step
+
+
+def _trainable_positions(leaves: list, params: Any) -> list[int]:
+    """The positions of ``params``' tensor leaves; a ``None`` leaf (an absent bias) gets a ``None``
+    gradient; anything else is refused naming its key (torch.func's message names nothing)."""
+    positions = []
+    for i, leaf in enumerate(leaves):
+        if leaf is None:
+            continue
+        if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
+            path = optree.tree_paths(params, none_is_leaf=True, namespace=NAMESPACE)[i]
+            raise ArgumentError(
+                f"functe.value_and_grad: params leaf {_key(path) or '(the params themselves)'!r} expected a "
+                f"floating-point tensor or None, got {describe(leaf)}"
+            )
+        positions.append(i)
+    return positions

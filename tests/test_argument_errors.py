@@ -224,6 +224,22 @@ def test_a_non_float_state_leaf_through_value_and_grad_names_the_leaf():
         functe.value_and_grad(loss)(make((8, 16)), bad, make((4, 16)))
 
 
+def test_value_and_grad_params_take_none_leaves_and_name_a_non_float_leaf():
+    # an absent bias (None) and an int leaf reached torch.func, whose errors name nothing
+    loss = lambda p, s, x: ops.linear(x, p["w"], p["b"]).square().sum()
+    x, w = make((4, 3)), make((2, 3))
+    value, grads, state = functe.value_and_grad(loss)({"w": w, "b": None}, None, x)
+    assert grads["b"] is None and state is None
+    want = torch.func.grad(lambda w: loss({"w": w, "b": None}, None, x))(w)
+    assert torch.equal(grads["w"], want) and torch.equal(value, loss({"w": w, "b": None}, None, x))
+    for bad, shown in ((torch.tensor(3), r"i64\[\]"), (0.1, "float")):
+        with pytest.raises(
+            functe.ArgumentError,
+            match=rf"value_and_grad: params leaf 'step' expected a floating-point tensor or None, got {shown}",
+        ):
+            functe.value_and_grad(loss)({"w": w, "b": None, "step": bad}, None, x)
+
+
 def test_an_opaque_function_that_loses_a_captured_gradient_raises():
     # The opaque op differentiates its arguments only: q.grad stayed None without a word.
     q = make((4,)).requires_grad_()
