@@ -69,6 +69,9 @@ def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
         1.0
     """
     keyed, spec = _keyed_leaves(like, "tree_from_dict")
+    for key, leaf in keyed:  # (before the key check: such a key can never be in tree_to_dict's output)
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
+            raise StateError(f"functe.tree_from_dict: template leaf {key!r} is {describe(leaf)}, not a tensor")
     wanted = {key for key, leaf in keyed if leaf is not None}
     if missing := sorted(wanted - set(flat)):
         raise StateError(f"functe.tree_from_dict: missing {missing}")
@@ -80,8 +83,6 @@ def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
             out.append(None)
             continue
         value = flat[key]
-        if not isinstance(leaf, torch.Tensor):
-            raise StateError(f"functe.tree_from_dict: template leaf {key!r} is {describe(leaf)}, not a tensor")
         if not isinstance(value, torch.Tensor):
             raise StateError(f"functe.tree_from_dict: {key!r} expected {describe(leaf)}, got {describe(value)}")
         if value.shape != leaf.shape or value.dtype != leaf.dtype:

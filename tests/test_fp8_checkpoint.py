@@ -61,6 +61,9 @@ def test_tree_dict_keys_and_errors():
         functe.tree_from_dict(state, {**flat, "fc1.input.scale": 1.0})
     with pytest.raises(functe.StateError, match=r"template leaf 'step' is int, not a tensor"):
         functe.tree_from_dict({"step": 3}, {"step": torch.zeros(())})
+    # (next to tensors, and the dict from tree_to_dict, which cannot hold 'step': it said "missing")
+    with pytest.raises(functe.StateError, match=r"template leaf 'step' is int, not a tensor"):
+        functe.tree_from_dict({"w": torch.ones(2), "step": 3}, {"w": torch.zeros(2)})
 
 
 @pytest.mark.parametrize("tree", [{"a.b": 0, "a": {"b": 1}}, {1: 0, "1": 1}], ids=["dotted", "int-and-str"])
