@@ -13,7 +13,7 @@ from helpers import make
 
 import functe
 from functe import ops
-from functe.ops import _core
+from functe.ops import _core, _fused
 from functe.rules import Pattern, Rule, RuleSet, check
 from functe.testing import assert_close
 
@@ -222,6 +222,23 @@ def test_a_non_float_state_leaf_through_value_and_grad_names_the_leaf():
         functe.StateError, match=r"value_and_grad: state leaf 'input\.scale' expected a float32 .* i32\[\]"
     ):
         functe.value_and_grad(loss)(make((8, 16)), bad, make((4, 16)))
+
+
+def test_rules_check_names_a_capture_missing_from_example_args():
+    rule = Rule(
+        "lin_add_any_bias",
+        "forward",
+        Pattern(_core._add_extra_input, Pattern(_core._linear, "x", "w", "_", name="lin"), "r"),
+        lambda m: m.fuse(
+            _fused.forward_linear_add, [m["x"], m["w"], m.eqn("lin").inputs[2], m["r"]], scale=None, bias_op=False
+        ),
+    )
+    args = {"x": make((4, 8)), "w": make((6, 8)), "r": make((4, 6))}
+    without_r = {"x": args["x"], "w": args["w"], "_": make((6,))}
+    for missing, given in (("'_'", args), ("'r'", without_r)):
+        with pytest.raises(functe.ArgumentError, match=rf"takes {missing}, which example_args does not give"):
+            check(rule, given)
+    check(rule, {**args, "_": make((6,))})
 
 
 def test_value_and_grad_params_take_none_leaves_and_name_a_non_float_leaf():

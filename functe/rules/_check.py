@@ -34,8 +34,15 @@ def _pattern_program(pattern: Pattern, static: dict[str, dict[str, Any]]) -> Cal
             for i in node.inputs:
                 if isinstance(i, Pattern):
                     args.append(call(i, i.out))
+                elif i is None:
+                    args.append(None)
+                elif i not in captures:  # (a bare KeyError before; '_', the wildcard, is a key too)
+                    raise ArgumentError(
+                        f"functe.rules.check: the pattern {node!r} takes {i!r}, which example_args does not "
+                        f"give (got {sorted(captures)}): add it, or pass the program as fn="
+                    )
                 else:
-                    args.append(None if i is None else captures[i])
+                    args.append(captures[i])
             result = node.op[0](*args, **static.get(node.name, {}))
             results = result if isinstance(result, tuple) else (result,)
             k = 0 if wanted is None else wanted
