@@ -141,11 +141,16 @@ def donatable(target: torch.Tensor, others) -> bool:
     op's other tensor arguments ``others``: no autograd layer records the op (it would see the write),
     ``target`` is contiguous (no stride-0 broadcast), and no other argument shares its storage (an
     overlapping write raises, or changes an operand the op still reads; the same tensor passed twice
-    counts)."""
+    counts), nor does any other live tensor: a view of it or its base (the write would show through
+    ``make_extra_output``'s other output, or a caller's tensor that ``identity`` or ``reshape``
+    viewed; ``_storage_Use_Count`` counts the storage's holders, 2 for a tensor alone: itself and
+    the storage object asked)."""
     if records((target, *others)) or not target.is_contiguous():
         return False
-    storage = target.untyped_storage().data_ptr()
-    return all(t.untyped_storage().data_ptr() != storage for t in others)
+    storage = target.untyped_storage()
+    if torch._C._storage_Use_Count(storage._cdata) > 2:
+        return False
+    return all(t.untyped_storage().data_ptr() != storage.data_ptr() for t in others)
 
 
 _unpack_dual = torch._VF._unpack_dual

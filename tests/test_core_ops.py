@@ -139,6 +139,17 @@ def test_add_extra_input_in_place_donates_only_when_invisible():
         assert torch.equal(ops.add_extra_input(square.t(), square.clone(), in_place=True), square.t() + square)
         assert torch.equal(ops.add_extra_input(square.t(), square, in_place=True), square.t() + square.clone())
         assert ops.add_extra_input(buf[1:], buf[:-1], in_place=True).tolist() == [1.0, 3.0, 5.0, 7.0]
+    # An extra that another live tensor views: make_extra_output's extra output (it was the input
+    # itself, so the write reached the caller's x and the other output y), identity's, a reshape's
+    x, w = torch.arange(6.0).reshape(2, 3), torch.eye(3)
+    before = x.clone()
+    with torch.no_grad():
+        y, skip = ops.make_extra_output(x)
+        assert ops.add_extra_input(ops.linear(y, w), skip, in_place=True).tolist() == (2 * before).tolist()
+        assert torch.equal(y, before) and torch.equal(x, before)
+        for view in (ops.identity(x), ops.reshape(x, (3, 2)).reshape(2, 3), x[:1]):
+            ops.add_extra_input(torch.ones_like(view), view, in_place=True)
+            assert torch.equal(x, before)
 
 
 def test_make_extra_output_unused_branch_gives_plain_gradient(backend):

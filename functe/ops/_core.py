@@ -219,7 +219,9 @@ def add_extra_input(x: Tensor, extra: Tensor, *, in_place: bool = False) -> Tens
 
 
 def _extra_out_fwd(x):
-    return (x, x), None
+    # (the extra output a view, not the same tensor: donating it must not write into x and y,
+    # which _backend.donatable sees as the storage's other holder)
+    return (x, x.view_as(x)), None
 
 
 def _extra_out_bwd(_, cts):
