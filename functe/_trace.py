@@ -236,11 +236,18 @@ def _untracked_constant(t: Tensor) -> Tensor | None:
     """
     f = torch._C._functorch
     while f.is_functorch_wrapped_tensor(t):
-        if not f.is_gradtrackingtensor(t) or t.requires_grad:
+        if not f.is_gradtrackingtensor(t) or t.requires_grad or _jvp_tangent(t):
             return None
         t = f.get_unwrapped(t)
     # (a forward-mode dual, too: inside the fused node its tangent would be lost)
     return None if t.requires_grad or any_tangent((t,)) else t
+
+
+def _jvp_tangent(wrapper: Tensor) -> bool:
+    """Whether a torch.func wrapper carries a tangent at its level (``jvp``, ``jacfwd``: such a
+    wrapper requires no grad, and a constant taken from it gave zero tangents)."""
+    with forward_ad._set_fwd_grad_enabled(True):
+        return forward_ad.unpack_dual(wrapper).tangent is not None
 
 
 def _meta(atom) -> Any:
@@ -595,6 +602,8 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         op = table[key] = custom_vjp(label, fwd, bwd)
         # (functe.fuse checks the function's captured state per call: see Plan.check_captured)
         op.opaque_check = functools.partial(_refuse_captured_grads, fn, label)
+        # (before the op's Function: inside its forward a torch.func wrapper shows no tangent)
+        op.precheck = functools.partial(_refuse_captured_transformed, fn, label)
     return op
 
 
@@ -628,6 +637,26 @@ def _refuse_captured_tangents(fn: Callable, label: str) -> None:
                     "without taking it as an argument; the opaque op's jvp rule sees its arguments only, so "
                     "that tangent would be lost: pass it as an argument"
                 )
+
+
+def _refuse_captured_transformed(fn: Callable, label: str) -> None:
+    """Raise if ``fn`` reaches by name a tensor (or a module's parameter) that a ``torch.func`` level
+    differentiates (a ``grad``/``vjp`` wrapper requiring grad, a ``jvp`` wrapper with a tangent).
+    Checked in the forward: when none of the op's own arguments is differentiated the op is no
+    autograd node, its backward never runs, and the gradient or tangent came out zero."""
+    f = torch._C._functorch
+    for v in _named_values(fn):
+        tensors = list(v.parameters()) if isinstance(v, torch.nn.Module) else [v] if isinstance(v, Tensor) else []
+        for t in tensors:
+            w = t
+            while f.is_functorch_wrapped_tensor(w):
+                if f.is_gradtrackingtensor(w) and (w.requires_grad or _jvp_tangent(w)):
+                    raise ArgumentError(
+                        f"functe.{label}: the function uses {describe(t)}, which a torch.func transform "
+                        "differentiates, without taking it as an argument; the opaque op differentiates its "
+                        "arguments only, so that derivative would be lost: pass it as an argument"
+                    )
+                w = f.get_unwrapped(w)
 
 
 def _cell_filled(cell) -> bool:

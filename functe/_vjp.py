@@ -253,6 +253,8 @@ class CustomVJP:
         self.bwd = bwd
         self.symbolic_zeros = symbolic_zeros
         self.batching = batching
+        # (a check of the caller's context run at each call, before any Function: see functe.opaque)
+        self.precheck: Callable[[], None] | None = None
         self.needs_input_grad = needs_input_grad
         self.prune_residuals = prune_residuals
         self.function = _make_function(
@@ -275,6 +277,8 @@ class CustomVJP:
             traced = _recorder(self, args, static)
             if traced is not NotImplemented:
                 return traced
+        if self.precheck is not None:
+            self.precheck()
         leaves, in_tree = tree_flatten(args)
         mode = _call_mode(leaves)
         if mode is _FORWARD_ONLY:

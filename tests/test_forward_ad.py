@@ -74,6 +74,18 @@ def test_a_captured_dual_is_refused_by_fuse_and_opaque():
             with pytest.raises(functe.ArgumentError, match=r"opaque_<lambda>: .*f64\[6,8\].*forward-mode tangent"):
                 op(arg)
     assert torch.equal(op(x), x @ w.T)  # (after the level: a plain tensor again)
+    # under torch.func's transforms too: a captured tensor they differentiate gave zero tangents and
+    # gradients (a jvp wrapper requires no grad; an opaque op whose arguments are not differentiated
+    # is no autograd node, so its backward's check never ran)
+    jvp_of = lambda f: torch.func.jvp(f, (w,), (torch.ones_like(w),))
+    with pytest.raises(functe.TraceError, match=r"f64\[6,8\] captured from the enclosing scope"):
+        jvp_of(lambda w: functe.fuse(lambda x: ops.linear(x, w))(x))
+    with pytest.raises(functe.TraceError, match=r"f64\[6,8\] captured from the enclosing scope"):
+        torch.func.jacfwd(lambda w: functe.fuse(lambda x: ops.linear(x, w))(x))(w)
+    transformed = r"opaque_<lambda>: the function uses f64\[6,8\], which a torch.func transform differentiates"
+    for transform in (jvp_of, lambda f: torch.func.grad(lambda w: f(w).sum())(w), lambda f: torch.func.jacrev(f)(w)):
+        with pytest.raises(functe.ArgumentError, match=transformed):
+            transform(lambda w: functe.opaque(lambda x: x @ w.T)(x))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
