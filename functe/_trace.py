@@ -236,16 +236,19 @@ def _untracked_constant(t: Tensor) -> Tensor | None:
     """
     f = torch._C._functorch
     while f.is_functorch_wrapped_tensor(t):
-        if not f.is_gradtrackingtensor(t) or t.requires_grad or _jvp_tangent(t):
+        if not f.is_gradtrackingtensor(t) or _differentiated_at(t):
             return None
         t = f.get_unwrapped(t)
     # (a forward-mode dual, too: inside the fused node its tangent would be lost)
     return None if t.requires_grad or any_tangent((t,)) else t
 
 
-def _jvp_tangent(wrapper: Tensor) -> bool:
-    """Whether a torch.func wrapper carries a tangent at its level (``jvp``, ``jacfwd``: such a
-    wrapper requires no grad, and a constant taken from it gave zero tangents)."""
+def _differentiated_at(wrapper: Tensor) -> bool:
+    """Whether the torch.func level of a grad-tracking ``wrapper`` differentiates it: a ``grad`` /
+    ``vjp`` level makes it require grad, a ``jvp`` level gives it a tangent (and no requires_grad:
+    a constant taken from it gave zero tangents)."""
+    if wrapper.requires_grad:
+        return True
     with forward_ad._set_fwd_grad_enabled(True):
         return forward_ad.unpack_dual(wrapper).tangent is not None
 
@@ -650,7 +653,7 @@ def _refuse_captured_transformed(fn: Callable, label: str) -> None:
         for t in tensors:
             w = t
             while f.is_functorch_wrapped_tensor(w):
-                if f.is_gradtrackingtensor(w) and (w.requires_grad or _jvp_tangent(w)):
+                if f.is_gradtrackingtensor(w) and _differentiated_at(w):
                     raise ArgumentError(
                         f"functe.{label}: the function uses {describe(t)}, which a torch.func transform "
                         "differentiates, without taking it as an argument; the opaque op differentiates its "

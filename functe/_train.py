@@ -69,9 +69,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
             if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
                 # (an object optree cannot flatten is one opaque leaf: its scaling states would never
                 # enter the gradient, and the state would silently never update)
-                path = optree.tree_paths(state, none_is_leaf=True, namespace=NAMESPACE)[i]
                 raise StateError(
-                    f"functe.value_and_grad: state leaf {_key(path) or '(the state itself)'!r} is a "
+                    f"functe.value_and_grad: state leaf {_leaf_key(state, i) or '(the state itself)'!r} is a "
                     f"{type(leaf).__name__}, which functe "
                     "cannot flatten (its tensors would never update): use dicts, lists and tuples, or register "
                     "the class with functe.pytree_dataclass"
@@ -79,9 +78,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
         tensors = [leaves[i] for i in positions]
         for i, t in zip(positions, tensors):
             if not t.is_floating_point():  # (torch.func would refuse it with a message naming nothing)
-                path = optree.tree_paths(state, none_is_leaf=True, namespace=NAMESPACE)[i]
                 raise StateError(
-                    f"functe.value_and_grad: state leaf {_key(path)!r} expected a float32 "
+                    f"functe.value_and_grad: state leaf {_leaf_key(state, i)!r} expected a float32 "
                     f"tensor (states travel back through the gradient), got {describe(t)}"
                 )
         trainable_params = [param_leaves[i] for i in trainable]
@@ -107,10 +105,14 @@ def _trainable_positions(leaves: list, params: Any) -> list[int]:
         if leaf is None:
             continue
         if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
-            path = optree.tree_paths(params, none_is_leaf=True, namespace=NAMESPACE)[i]
             raise ArgumentError(
-                f"functe.value_and_grad: params leaf {_key(path) or '(the params themselves)'!r} expected a "
+                f"functe.value_and_grad: params leaf {_leaf_key(params, i) or '(the params themselves)'!r} expected a "
                 f"floating-point tensor or None, got {describe(leaf)}"
             )
         positions.append(i)
     return positions
+
+
+def _leaf_key(tree: Any, i: int) -> str:
+    """The dotted key of ``tree``'s ``i``-th leaf (as functe flattens it), for an error message."""
+    return _key(optree.tree_paths(tree, none_is_leaf=True, namespace=NAMESPACE)[i])
