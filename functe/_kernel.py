@@ -122,8 +122,6 @@ class Kernel:
         for first in args:
             if isinstance(first, Tensor):
                 break
-        if getattr(_formula_twins, "on", False):
-            return self.twin(*args)  # (see formula_twins)
         if runs_triton(first.device):
             run, function = self.op, self.function
         elif type(first) not in PLAIN_TENSOR_TYPES or first.device.type != "cpu":
@@ -137,6 +135,8 @@ class Kernel:
             # custom op (or the plain-torch twin) is all it needs (compiled code is first-order).
             return run(*args)
         if records(args):
+            if getattr(_formula_twins, "on", False):
+                return self.twin(*args)  # (see formula_twins: recorded, as a formula, not a Function)
             if (
                 run is self.twin
                 and not (self.fast_path or self.quantizes)  # (a quantizing kernel's jvp must refuse)
