@@ -632,11 +632,20 @@ class _Variant:
         forward, bwd = namespace["forward"], namespace["bwd"]
         if plan._opaque_eqns:
             forward, bwd = _replaying(forward, bwd)
-        self.op = custom_vjp(f"fused_{name}", forward, bwd, symbolic_zeros=True)
+        # The plan's literal tensors (a captured frozen weight, a seed): plain tensors no input reaches
+        # (see _trace._untracked_constant), so a backward that keeps one has an exact second order.
+        literals = tuple(v for v in namespace.values() if isinstance(v, Tensor))
+        self.op = custom_vjp(f"fused_{name}", forward, bwd, symbolic_zeros=True, constant_residuals=literals)
         # per output leaf: whether no input that wants a gradient reaches it
         constant = tuple(not (isinstance(a, Var) and a in self.liveness.needs) for a in program.outputs)
         eager = _eager_function(
-            f"fused_{name}_eager", namespace["forward"], backward, namespace["_backward_op"], program.out_tree, constant
+            f"fused_{name}_eager",
+            namespace["forward"],
+            backward,
+            namespace["_backward_op"],
+            program.out_tree,
+            constant,
+            literals,
         )
         if not all(isinstance(a, Var) for a in program.outputs):
             self.eager = lambda *tensors: self.with_constants(eager(*tensors))
@@ -683,7 +692,13 @@ _SAVED = object()  # marks a residual leaf kept with save_for_backward
 
 
 def _eager_function(
-    name: str, forward: Callable, backward: Callable, backward_op, out_tree, constant_outputs: tuple[bool, ...]
+    name: str,
+    forward: Callable,
+    backward: Callable,
+    backward_op,
+    out_tree,
+    constant_outputs: tuple[bool, ...],
+    literals: tuple[Tensor, ...],
 ) -> Callable:
     """The fused op for plain eager autograd (no torch.func transform, not compiling).
 
@@ -691,7 +706,8 @@ def _eager_function(
     per-call cost: an old-style Function binds no signature and the layout of
     the residuals is known. Intermediate residuals make differentiating the
     backward raise, through the same guard as custom_vjp (hung on an empty
-    extra output, the anchor, which callers never see).
+    extra output, the anchor, which callers never see); the plan's ``literals`` are not
+    intermediates.
     """
 
     single = out_tree == LEAF
@@ -710,8 +726,7 @@ def _eager_function(
         res_leaves, res_tree = tree_flatten(res)
         layout = [_SAVED if isinstance(r, Tensor) else r for r in res_leaves]
         saved = [r for r in res_leaves if isinstance(r, Tensor)]
-        known = {id(t) for t in tensors}
-        known.update(id(o) for o in out_leaves)
+        known = {id(t) for t in (*tensors, *out_leaves, *literals)}
         n_new = sum(id(r) not in known for r in saved)  # intermediates: differentiating through them is refused
         anchor = [higher_order_anchor(saved[0])] if n_new else []
         ctx.save_for_backward(*saved, *anchor)

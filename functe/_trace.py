@@ -41,7 +41,7 @@ from torch.autograd import forward_ad
 
 from . import _vjp
 from ._backend import any_tangent, forward_ad_active, use_backend
-from ._errors import ArgumentError, FuncteError, RuleError, TraceError, describe
+from ._errors import ArgumentError, FuncteError, RuleError, TraceError, TransformError, describe
 from ._oplist import Eqn, Literal, OpList, Var
 from ._rng import RandomState
 from ._tree import tree_flatten, tree_unflatten
@@ -646,13 +646,21 @@ def _refuse_captured_transformed(fn: Callable, label: str) -> None:
     """Raise if ``fn`` reaches by name a tensor (or a module's parameter) that a ``torch.func`` level
     differentiates (a ``grad``/``vjp`` wrapper requiring grad, a ``jvp`` wrapper with a tangent).
     Checked in the forward: when none of the op's own arguments is differentiated the op is no
-    autograd node, its backward never runs, and the gradient or tangent came out zero."""
+    autograd node, its backward never runs, and the gradient or tangent came out zero. A tensor an
+    enclosing ``vmap`` batches is refused too: the op's vmap rule runs ``fn`` outside that level,
+    where functorch failed on it ("escaped")."""
     f = torch._C._functorch
     for v in _named_values(fn):
         tensors = list(v.parameters()) if isinstance(v, torch.nn.Module) else [v] if isinstance(v, Tensor) else []
         for t in tensors:
             w = t
             while f.is_functorch_wrapped_tensor(w):
+                if f.is_batchedtensor(w):
+                    raise TransformError(
+                        f"functe.{label}: the function uses {describe(t)}, which an enclosing torch.func.vmap "
+                        "batches, without taking it as an argument; the opaque op batches its arguments only: "
+                        "pass it as an argument"
+                    )
                 if f.is_gradtrackingtensor(w) and _differentiated_at(w):
                     raise ArgumentError(
                         f"functe.{label}: the function uses {describe(t)}, which a torch.func transform "

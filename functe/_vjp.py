@@ -94,14 +94,17 @@ class _Call:
 class _Layout:
     """How forward's flat outputs split into primal outputs and residuals."""
 
-    __slots__ = ("n_new", "n_out", "out_tree", "plan", "res_tree")
+    __slots__ = ("guarded", "n_new", "n_out", "out_tree", "plan", "res_tree")
 
-    def __init__(self, out_tree, n_out, res_tree, plan, n_new):
+    def __init__(self, out_tree, n_out, res_tree, plan, n_new, guarded):
         self.out_tree = out_tree
         self.n_out = n_out
         self.res_tree = res_tree
         self.plan = plan  # per residual leaf: (_IN, i) | (_OUT, j) | (_NEW, k) | (_CONST, value)
         self.n_new = n_new
+        # whether a new residual is an intermediate (not a constant_residual): its backward, when
+        # differentiated, goes through the guard
+        self.guarded = guarded
 
 
 def _index_of(value: Tensor, candidates) -> int:
@@ -137,13 +140,19 @@ def _output_leaves(name: str, out, leaves) -> tuple[list, PyTreeSpec]:
     return out_leaves, out_tree
 
 
-def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, list, _Layout]:
-    """Run the forward rule on flat leaves; return (out leaves, new residuals, layout)."""
+def _run_forward(
+    name: str, fwd: Callable, call: _Call, leaves, constants: tuple[Tensor, ...] = ()
+) -> tuple[list, list, _Layout]:
+    """Run the forward rule on flat leaves; return (out leaves, new residuals, layout).
+
+    ``constants``: the op's ``constant_residuals`` (new residuals that need no guard; compared with
+    ``is``, not ``id``, which Dynamo would guard on)."""
     args = tree_unflatten(call.in_tree, leaves)
     out, res = _split_result(name, fwd(*args, **call.static))
     out_leaves, out_tree = _output_leaves(name, out, leaves)
     res_leaves, res_tree = tree_flatten(res)
     plan, new = [], []
+    guarded = False
     for r in res_leaves:
         # (inputs first: a residual that is an input returned as an output is saved as the input)
         if not isinstance(r, Tensor):
@@ -157,9 +166,10 @@ def _run_forward(name: str, fwd: Callable, call: _Call, leaves) -> tuple[list, l
         else:
             plan.append((_NEW, len(new)))
             new.append(r)
+            guarded = guarded or _index_of(r, constants) < 0
     if new:
         new.append(higher_order_anchor(new[0]))
-    layout = _Layout(out_tree, len(out_leaves), res_tree, tuple(plan), len(new))
+    layout = _Layout(out_tree, len(out_leaves), res_tree, tuple(plan), len(new), guarded)
     return out_leaves, new, layout
 
 
@@ -183,7 +193,7 @@ def _pruned(name: str, prune: Callable, layout: _Layout, sources: dict, call: _C
             f"replaced by None, got {describe(kept)}"
         )
     plan = tuple(entry if k is not None else (_CONST, None) for entry, k in zip(layout.plan, kept_leaves))
-    return _Layout(layout.out_tree, layout.n_out, layout.res_tree, plan, layout.n_new)
+    return _Layout(layout.out_tree, layout.n_out, layout.res_tree, plan, layout.n_new, layout.guarded)
 
 
 def higher_order_anchor(like: Tensor) -> Tensor:
@@ -218,6 +228,11 @@ class CustomVJP:
             alive for a wgrad it will not run), and ``bwd`` gets ``None`` there.
             Inside :func:`functe.fuse` the op of the backward step that reads
             the residuals prunes them (a fused op's rule covers its ops').
+        constant_residuals: tensors that the forward rule may return among its
+            residuals and that depend on no input (a captured constant such as
+            a frozen weight): saved as intermediates are, but differentiating
+            the backward needs no guard for them (their derivative is zero),
+            so second order stays exact. Matched by identity.
 
     Example:
         >>> import torch
@@ -240,6 +255,7 @@ class CustomVJP:
         batching: str | None = "forward",
         needs_input_grad: bool = False,
         prune_residuals: Callable | None = None,
+        constant_residuals: tuple[Tensor, ...] = (),
     ):
         if batching not in ("forward", None):
             raise RuleError(f"custom_vjp {name}: batching must be 'forward' or None, got {batching!r}")
@@ -248,6 +264,12 @@ class CustomVJP:
                 raise RuleError(f"custom_vjp {name}: {arg} must be a function, got {describe(rule)}")
         if prune_residuals is not None and not needs_input_grad:
             raise RuleError(f"custom_vjp {name}: prune_residuals needs needs_input_grad=True")
+        for c in constant_residuals:
+            if not isinstance(c, Tensor) or c.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(c):
+                raise RuleError(
+                    f"custom_vjp {name}: constant_residuals must be plain tensors that require no gradient, "
+                    f"got {describe(c)}"
+                )
         self.name = name
         self.fwd = fwd
         self.bwd = bwd
@@ -257,12 +279,15 @@ class CustomVJP:
         self.precheck: Callable[[], None] | None = None
         self.needs_input_grad = needs_input_grad
         self.prune_residuals = prune_residuals
+        self.constant_residuals = constants = tuple(constant_residuals)
         self.function = _make_function(
-            name, fwd, bwd, symbolic_zeros, batching, needs_input_grad, prune_residuals, forward_mode=True
+            name, fwd, bwd, symbolic_zeros, batching, needs_input_grad, prune_residuals, constants, forward_mode=True
         )
         # Dynamo refuses Functions that define ``jvp``; compiled code gets a
         # twin class without it (forward-mode AD is not traced by compile).
-        self.compiled_function = _make_function(name, fwd, bwd, symbolic_zeros, batching, forward_mode=False)
+        self.compiled_function = _make_function(
+            name, fwd, bwd, symbolic_zeros, batching, constants=constants, forward_mode=False
+        )
         self._eager_apply = _C_APPLY.__get__(None, self.function)
 
     def __call__(self, *args, **static):
@@ -311,6 +336,7 @@ def custom_vjp(
     batching: str | None = "forward",
     needs_input_grad: bool = False,
     prune_residuals: Callable | None = None,
+    constant_residuals: tuple[Tensor, ...] = (),
 ) -> CustomVJP:
     """Define an op from a forward rule and a backward rule (see :class:`CustomVJP`).
 
@@ -335,6 +361,7 @@ def custom_vjp(
         batching=batching,
         needs_input_grad=needs_input_grad,
         prune_residuals=prune_residuals,
+        constant_residuals=constant_residuals,
     )
 
 
@@ -523,6 +550,7 @@ class _Batch:
     __slots__ = (
         "bwd",
         "call",
+        "constants",
         "dims",
         "fwd",
         "in_meta",
@@ -537,8 +565,9 @@ class _Batch:
         "symbolic_zeros",
     )
 
-    def __init__(self, name, fwd, bwd, call, leaves, positions, dims, randomness, flags):
+    def __init__(self, name, fwd, bwd, call, leaves, positions, dims, randomness, flags, constants):
         self.name, self.fwd, self.bwd, self.call = name, fwd, bwd, call
+        self.constants = constants
         self.leaves = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
         self.positions = positions
         self.dims = tuple(None if d is None else 0 for d in dims)  # (batched tensors arrive moved to dim 0)
@@ -566,7 +595,7 @@ class _Batch:
 def _batched_fwd(*tensors, batch: _Batch):
     def member(*ts):
         leaves = batch.full(ts)
-        out_leaves, new, layout = _run_forward(batch.name, batch.fwd, batch.call, leaves)
+        out_leaves, new, layout = _run_forward(batch.name, batch.fwd, batch.call, leaves, batch.constants)
         batch.layout = layout
         batch.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, Tensor) else None for o in out_leaves]
         batch.in_meta = [(t.shape, t.dtype) if isinstance(t, Tensor) else None for t in leaves]
@@ -643,7 +672,7 @@ def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
     for k, g in zip(returned, grads):
         # (an unbatched input gets the sum of the members' cotangents)
         result[k] = g.sum(0) if batch.dims[k] is None else g
-    if layout.n_new and torch.is_grad_enabled():  # (its backward uses intermediates: see _guard)
+    if layout.guarded and torch.is_grad_enabled():  # (its backward uses intermediates: see _guard)
         result = _guard(batch.name, result, new[-1])
     return tuple(result)
 
@@ -656,6 +685,7 @@ def _make_function(
     batching: str | None,
     needs_input_grad: bool = False,
     prune: Callable | None = None,
+    constants: tuple[Tensor, ...] = (),
     *,
     forward_mode: bool,
 ) -> type[torch.autograd.Function]:
@@ -669,7 +699,7 @@ def _make_function(
         if not isinstance(args[0], _Call):
             args = args[1:]
         call, leaves = args[0], args[1:]
-        out_leaves, new, layout = _run_forward(name, fwd, call, leaves)
+        out_leaves, new, layout = _run_forward(name, fwd, call, leaves, constants)
         return (*out_leaves, *new, layout)
 
     def setup_context(ctx, inputs, output):
@@ -730,7 +760,7 @@ def _make_function(
             extra = {"needs_input_grad": argument_needs(needs, call.in_tree)} if needs_input_grad else {}
             cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **extra, **call.static)
             flat = _flatten_cotangents(name, call, cts, ctx.in_meta)
-        if layout.n_new and torch.is_grad_enabled():
+        if layout.guarded and torch.is_grad_enabled():
             flat = _guard(name, flat, next(saved))
         return (None, *flat)
 
@@ -747,7 +777,7 @@ def _make_function(
                 leaves[i] = primals[k]
             for k, v in zip(diff, values):
                 leaves[positions[k]] = v
-            out_leaves, _, _ = _run_forward(name, fwd, call, leaves)
+            out_leaves, _, _ = _run_forward(name, fwd, call, leaves, constants)
             return tuple(o for o in out_leaves if o is not None)
 
         tans = tuple(
@@ -782,7 +812,7 @@ def _make_function(
         dims = [in_dims[1 + i] for i in positions]
         tensors = [leaves[i] if d in (None, 0) else leaves[i].movedim(d, 0) for i, d in zip(positions, dims)]
         flags = (needs_input_grad, prune, symbolic_zeros)
-        plan = _Batch(name, fwd, bwd, call, leaves, positions, dims, info.randomness, flags)
+        plan = _Batch(name, fwd, bwd, call, leaves, positions, dims, info.randomness, flags, constants)
         if not batched:
             batched.append(
                 CustomVJP(

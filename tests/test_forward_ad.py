@@ -88,6 +88,18 @@ def test_a_captured_dual_is_refused_by_fuse_and_opaque():
             transform(lambda w: functe.opaque(lambda x: x @ w.T)(x))
 
 
+def test_a_captured_batched_tensor_is_refused_by_opaque_and_batched_by_fuse():
+    # vmap over a tensor the opaque function captures: the op's vmap rule ran the function outside
+    # the vmap level, where functorch failed ("escaped"); fuse lifts such a capture to an input.
+    x, ws = torch.randn(4, 8, dtype=F64), torch.randn(3, 6, 8, dtype=F64)
+    with pytest.raises(
+        functe.TransformError, match=r"opaque_<lambda>: the function uses f64\[6,8\], which an enclosing"
+    ):
+        torch.func.vmap(lambda w: functe.opaque(lambda x: x @ w.T)(x))(ws)
+    fused = torch.func.vmap(lambda w: functe.fuse(lambda x: functe.opaque(lambda x: x @ w.T)(x))(x))(ws)
+    assert_close(fused, x @ ws.transpose(1, 2))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "name, fn",

@@ -8,6 +8,7 @@ import threading
 import warnings
 import weakref
 
+import optree
 import pytest
 import torch
 from fuse_helpers import F64, assert_matches_float64, draw, plan_of
@@ -203,6 +204,34 @@ def test_second_order_refused_with_a_plain_sum_loss():
     (g,) = torch.autograd.grad(fused(*xs, scale=0.5).sum(), xs[:1], create_graph=True)
     with pytest.raises(functe.TransformError, match=msg.replace("fused__block", "fused__block_eager")):
         torch.autograd.grad(g.sum(), xs[1])
+
+
+_FROZEN = torch.randn(5, 4, dtype=F64)
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        lambda x, b: ops.linear(x, _FROZEN, b),
+        lambda x, b: ops.dropout(ops.linear(x, _FROZEN, b), 0.3, seed=11),
+        lambda x, b: ops.linear(ops.linear(x, _FROZEN, b), 2.0 * _FROZEN.t()),
+    ],
+    ids=["frozen weight", "int seed", "folded constant"],
+)
+def test_second_order_is_exact_when_the_backward_keeps_folded_constants(program, backend):
+    # A plan literal kept for the backward (a captured frozen weight, a dropout seed, a constant
+    # folded at trace time) was taken for an intermediate: second order refused, while it is exact.
+    fused, x, b = functe.fuse(program), make((3, 4), F64), make((5,), F64)
+    loss = lambda f: lambda x, b: (f(x, b) ** 2).sin().sum()
+    hessians = [torch.func.hessian(loss(f), argnums=(0, 1))(x, b) for f in (fused, program)]
+    for got, want in zip(optree.tree_leaves(hessians[0]), optree.tree_leaves(hessians[1]), strict=True):
+        assert_close(got, want)
+    xs = [x.clone().requires_grad_(), b.clone().requires_grad_()]
+    (g,) = torch.autograd.grad(loss(fused)(*xs), xs[:1], create_graph=True)
+    ys = [x.clone().requires_grad_(), b.clone().requires_grad_()]
+    (g_ref,) = torch.autograd.grad(loss(program)(*ys), ys[:1], create_graph=True)
+    for got, want in zip(torch.autograd.grad(g.cos().sum(), xs), torch.autograd.grad(g_ref.cos().sum(), ys)):
+        assert_close(got, want)
 
 
 def test_second_order_is_exact_when_residuals_are_inputs(backend):

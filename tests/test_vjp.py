@@ -106,6 +106,35 @@ def test_intermediate_residuals_first_order_exact_second_order_refused():
     assert torch.autograd.gradcheck(xmean, (xr,))
 
 
+def test_constant_residuals_need_no_guard_and_give_exact_second_derivatives():
+    # A residual that is a captured constant (not an input, not an output) was refused in second
+    # order as an intermediate although its derivative is zero.
+    c = torch.randn(5, dtype=F64)
+
+    def fwd(x):
+        return x * x * c, (x, c)
+
+    def bwd(res, g):
+        x, c = res
+        return (2 * x * c * g,)
+
+    x = torch.randn(5, dtype=F64)
+    hessian_ref = torch.diag(2 * c * torch.cos(x * x * c) - (2 * x * c) ** 2 * torch.sin(x * x * c))
+    loss = lambda op: lambda x: torch.sin(op(x)).sum()
+    guarded = functe.custom_vjp("xxc", fwd, bwd)
+    with pytest.raises(functe.TransformError, match=r"functe\.xxc: (second-order|forward-mode)"):
+        torch.func.hessian(loss(guarded))(x)
+    op = functe.custom_vjp("xxc", fwd, bwd, constant_residuals=(c,))
+    assert_close(torch.func.hessian(loss(op))(x), hessian_ref)
+    assert_close(grad(lambda x: grad(loss(op))(x).sum())(x), hessian_ref.sum(1))
+    assert_close(vmap(torch.func.hessian(loss(op)))(x.expand(2, 5)), hessian_ref.expand(2, 5, 5))
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(loss(op)(xr), xr, create_graph=True)
+    assert_close(torch.autograd.grad(g.sum(), xr)[0], hessian_ref.sum(1))
+    with pytest.raises(functe.RuleError, match=r"custom_vjp xxc: constant_residuals must be plain tensors"):
+        functe.custom_vjp("xxc", fwd, bwd, constant_residuals=(c.clone().requires_grad_(),))
+
+
 def test_second_order_through_vmap_and_forward_mode_is_refused_too():
     # The guard's vmap rule returned a plain view, so hessian / jacrev(jacrev) (a vmap between the
     # two backward passes) returned wrong values; jvp(grad) raised torch's NotImplementedError.
