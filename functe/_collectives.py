@@ -225,6 +225,21 @@ def check_same_layout(layout: str, like: Tensor, group: Group, who: str) -> None
         )
 
 
+def stand_in(group: Group) -> Tensor | None:
+    """An empty tensor on a device ``group`` communicates on (the CPU for gloo, the current CUDA
+    device for NCCL), for a rank that holds no tensor but must join a check the others run (it
+    would leave them waiting); ``None`` when the backend is unknown."""
+    try:
+        backend = dist.get_backend(dist.distributed_c10d._resolve_process_group(group.name))
+    except Exception:  # (a group functe cannot look up: the caller skips its check)
+        return None
+    if "gloo" in backend:
+        return torch.empty(0)
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.empty(0, device=torch.device("cuda", torch.cuda.current_device()))
+    return None
+
+
 def meet_before_raising(x: Tensor, group: Group) -> None:
     """Join the cross-rank check of whatever collective the other ranks run next, saying this rank
     raises, before it raises a local argument error: ranks whose arguments were fine, waiting in that

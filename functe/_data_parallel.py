@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._collectives import check_same_layout, collective, meet_before_raising, resolve_group
+from ._collectives import check_same_layout, collective, meet_before_raising, resolve_group, stand_in
 from ._errors import DTypeError, describe
 from ._train import value_and_grad
 from ._tree import tree_flatten, tree_unflatten
@@ -44,10 +44,13 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
     """
     g = resolve_group("all_reduce_gradients", group)
     leaves, spec = tree_flatten(tree)
+    # (a rank without tensors still joins the checks the others run, on a device of the group)
+    like = next((t for t in leaves if isinstance(t, Tensor)), None)
+    if like is None and g.size > 1:
+        like = stand_in(g)
     for leaf in leaves:
         if leaf is not None and not (isinstance(leaf, Tensor) and leaf.is_floating_point()):
-            # (the other ranks may be waiting in the layout check: tell them, on any tensor's device)
-            like = next((t for t in leaves if isinstance(t, Tensor)), None)
+            # (the other ranks may be waiting in the layout check: tell them)
             if like is not None:
                 meet_before_raising(like, g)
             raise DTypeError(
@@ -55,10 +58,9 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
             )
     if g.size == 1:
         return tree
-    tensors = [leaf for leaf in leaves if leaf is not None]
-    if tensors:
+    if like is not None:
         layout = f"{spec} " + ", ".join(describe(leaf) for leaf in leaves)
-        check_same_layout(layout, tensors[0], g, "all_reduce_gradients")
+        check_same_layout(layout, like, g, "all_reduce_gradients")
     buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, leaf in enumerate(leaves):
         if leaf is not None:

@@ -499,9 +499,12 @@ def layouts_hidden_by_one_size() -> list[str]:
         lambda: functe.all_reduce_gradients({"a": torch.ones(2 + r), "b": torch.ones(3 - r)}),
         lambda: functe.all_reduce_gradients({"w": torch.ones(2)} if r == 0 else {"v": torch.ones(2)}),
         lambda: ops.all_reduce(torch.ones(*[1] * 12, *((2, 3) if r == 0 else (3, 2)))),
+        # (a rank whose leaves are all None returned at once, and rank 0 waited until the timeout)
+        lambda: functe.all_reduce_gradients({"w": torch.ones(2) if r == 0 else None}),
     ]
     messages = _errors_of(cases, functe.ShapeError)
     assert functe.all_reduce_gradients({"w": torch.ones(2)})["w"].tolist() == [1.0, 1.0]  # same layout: fine
+    assert functe.all_reduce_gradients({"w": None}) == {"w": None}  # None everywhere: fine too
     return messages
 
 
