@@ -37,7 +37,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
     state is ``None`` (also the next state returned), which ``vmap`` refuses to batch as an output:
     give it ``out_dims=(0, 0, None)`` (or a ``None`` for each stateless leaf of a mixed state). Under
     ``torch.compile`` compile ``fn`` itself and take gradients with ``torch.autograd.grad``
-    outside (pytorch#193279, ``docs/design.md``).
+    outside (pytorch#193279, ``docs/design.md``); a compiled training step that calls the returned
+    step runs it eagerly and exactly (Dynamo compiles the rest around it; ``fullgraph=True`` refuses).
 
     Example:
         >>> import torch, functe
@@ -52,49 +53,70 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
     """
 
     def step(params, state, *args, **kwargs):
-        leaves, spec = tree_flatten(state)
-        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        param_leaves, param_spec = tree_flatten(params)
-        trainable = _trainable_positions(param_leaves, params)
-
-        def with_state(p, tensors):
-            full, full_params = list(leaves), list(param_leaves)
-            for i, t in zip(positions, tensors):
-                full[i] = t
-            for i, t in zip(trainable, p):
-                full_params[i] = t
-            return fn(tree_unflatten(param_spec, full_params), tree_unflatten(spec, full), *args, **kwargs)
-
-        for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
-                # (an object optree cannot flatten is one opaque leaf: its scaling states would never
-                # enter the gradient, and the state would silently never update)
-                raise StateError(
-                    f"functe.value_and_grad: state leaf {_leaf_key(state, i) or '(the state itself)'!r} is a "
-                    f"{type(leaf).__name__}, which functe "
-                    "cannot flatten (its tensors would never update): use dicts, lists and tuples, or register "
-                    "the class with functe.pytree_dataclass"
-                )
-        tensors = [leaves[i] for i in positions]
-        for i, t in zip(positions, tensors):
-            if not t.is_floating_point():  # (torch.func would refuse it with a message naming nothing)
-                raise StateError(
-                    f"functe.value_and_grad: state leaf {_leaf_key(state, i)!r} expected a float32 "
-                    f"tensor (states travel back through the gradient), got {describe(t)}"
-                )
-        trainable_params = [param_leaves[i] for i in trainable]
-        grads, value = torch.func.grad_and_value(with_state, argnums=(0, 1), has_aux=has_aux)(trainable_params, tensors)
-        trainable_grads, state_grads = grads
-        full = list(leaves)
-        for i, g in zip(positions, state_grads):
-            full[i] = g
-        next_state = state_from_gradient(state, tree_unflatten(spec, full), check=check)
-        param_grads: list = [None] * len(param_leaves)
-        for i, g in zip(trainable, trainable_grads):
-            param_grads[i] = g
-        return value, tree_unflatten(param_spec, param_grads), next_state
+        return _step(fn, has_aux, check, params, state, args, kwargs)
 
     return step
+
+
+def _not_compiled(fn: Callable) -> Callable:
+    """``fn`` run eagerly inside a compiled caller (which Dynamo compiles around it): see _step."""
+    reason = (
+        "functe.value_and_grad runs eagerly under torch.compile; compile the loss and take gradients "
+        "outside it with torch.autograd.grad (pytorch#193279)"
+    )
+    try:
+        return torch._dynamo.disable(fn, reason=reason)
+    except TypeError:  # (an older torch without reasons)
+        return torch._dynamo.disable(fn)
+
+
+# Dynamo does not trace the step (torch.compile of a training step that calls it runs it eagerly, and
+# compiles the rest): Dynamo's optree polyfill, past a graph break inside torch.func.grad_and_value,
+# unflattened the state and parameters wrongly ("length mismatch"), and compiling a torch.func
+# transform would replace functe's backward rules anyway (pytorch#193279, README).
+@_not_compiled
+def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = tree_flatten(state)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    param_leaves, param_spec = tree_flatten(params)
+    trainable = _trainable_positions(param_leaves, params)
+
+    def with_state(p, tensors):
+        full, full_params = list(leaves), list(param_leaves)
+        for i, t in zip(positions, tensors):
+            full[i] = t
+        for i, t in zip(trainable, p):
+            full_params[i] = t
+        return fn(tree_unflatten(param_spec, full_params), tree_unflatten(spec, full), *args, **kwargs)
+
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
+            # (an object optree cannot flatten is one opaque leaf: its scaling states would never
+            # enter the gradient, and the state would silently never update)
+            raise StateError(
+                f"functe.value_and_grad: state leaf {_leaf_key(state, i) or '(the state itself)'!r} is a "
+                f"{type(leaf).__name__}, which functe "
+                "cannot flatten (its tensors would never update): use dicts, lists and tuples, or register "
+                "the class with functe.pytree_dataclass"
+            )
+    tensors = [leaves[i] for i in positions]
+    for i, t in zip(positions, tensors):
+        if not t.is_floating_point():  # (torch.func would refuse it with a message naming nothing)
+            raise StateError(
+                f"functe.value_and_grad: state leaf {_leaf_key(state, i)!r} expected a float32 "
+                f"tensor (states travel back through the gradient), got {describe(t)}"
+            )
+    trainable_params = [param_leaves[i] for i in trainable]
+    grads, value = torch.func.grad_and_value(with_state, argnums=(0, 1), has_aux=has_aux)(trainable_params, tensors)
+    trainable_grads, state_grads = grads
+    full = list(leaves)
+    for i, g in zip(positions, state_grads):
+        full[i] = g
+    next_state = state_from_gradient(state, tree_unflatten(spec, full), check=check)
+    param_grads: list = [None] * len(param_leaves)
+    for i, g in zip(trainable, trainable_grads):
+        param_grads[i] = g
+    return value, tree_unflatten(param_spec, param_grads), next_state
 
 
 def _trainable_positions(leaves: list, params: Any) -> list[int]:

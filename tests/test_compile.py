@@ -182,3 +182,36 @@ def test_compiled_fused_function_whose_outputs_are_one_tensor_at_run_time(fork):
         cts = [torch.full_like(g, float(i + 1)) for i, g in enumerate(got)]
         (dx,) = torch.autograd.grad(got, x, cts)
         torch.testing.assert_close(dx, torch.autograd.grad(want, x, cts)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wrapper", [functe.value_and_grad, functe.data_parallel_value_and_grad])
+def test_a_compiled_training_step_runs_value_and_grad_eagerly_and_exactly(wrapper):
+    # Dynamo's optree polyfill, past a graph break inside torch.func.grad_and_value, unflattened the
+    # params and state wrongly: "ValueError: length mismatch" (the data-parallel wrapper: "unhashable
+    # type: 'list'"). The step now runs value_and_grad eagerly and compiles the rest.
+    recipe = functe.DelayedScaling(amax_history_len=3)
+
+    def loss_fn(params, state, x):
+        h = ops.fp8_linear(x, params["w"], params["b"], state["fc"], recipe=recipe)
+        return ops.gelu(h).square().mean()
+
+    vg = wrapper(loss_fn)
+
+    def train_step(params, state, x):
+        loss, grads, state = vg(params, state, x)
+        return loss, {k: p - 0.1 * grads[k] for k, p in params.items()}, state
+
+    params = {"w": make((8, 16), torch.float32), "b": make((8,), torch.float32)}
+    state = {"fc": functe.init_linear_scaling_state(recipe)}
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="compile the loss and take gradients"):
+        torch.compile(vg, fullgraph=True, backend="aot_eager")(params, state, make((4, 16), torch.float32))
+    torch._dynamo.reset()
+    compiled = torch.compile(train_step, backend="aot_eager")
+    eager_run, compiled_run = (params, state), (params, state)
+    for step in range(3):
+        x = make((4, 16), torch.float32, scale=step + 1.0)
+        loss, *eager_run = train_step(*eager_run, x)
+        compiled_loss, *compiled_run = compiled(*compiled_run, x)
+        assert torch.equal(compiled_loss, loss)
+    for got, want in zip(functe.tree_leaves(compiled_run), functe.tree_leaves(eager_run), strict=True):
+        assert torch.equal(got, want)
