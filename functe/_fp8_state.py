@@ -220,7 +220,10 @@ def _next_state(old: ScalingState, ct: ScalingState | None) -> tuple[ScalingStat
     # A used state whose scale cotangent is 0 (or missing) had its scale leaf cut off on the way
     # (``scale.detach()``, a replaced scale): a new scale is never 0, so this counts as a bad use.
     scale_ct = torch.zeros_like(old.scale) if ct.scale is None else ct.scale
-    uses = torch.where((uses == 1) & (scale_ct == 0), torch.full_like(uses, -1.0), uses)
+    # Likewise a count of 0 with a new scale: the history leaf was cut (``amax_history.detach()``,
+    # a replaced history) while the op ran.
+    cut = ((uses == 1) & (scale_ct == 0)) | ((uses == 0) & (scale_ct != 0))
+    uses = torch.where(cut, torch.full_like(uses, -1.0), uses)
     ct = ScalingState(scale=scale_ct, amax_history=ct.amax_history)
     history = torch.cat([torch.zeros_like(ct.amax_history[..., :1]), ct.amax_history[..., 1:]], -1)
     keep, take = uses == 0, uses == 1

@@ -276,13 +276,20 @@ def test_share_state_errors():
         functe.share_state(functe.init_linear_scaling_state(recipe), 0, recipe=recipe)
 
 
-def test_a_detached_scale_leaf_is_a_bad_use():
-    # Only amax_history carried the use count: scale.detach() gave a next scale of 0.0 silently.
+@pytest.mark.parametrize("leaf", ["scale", "amax_history"])
+def test_a_detached_state_leaf_is_a_bad_use(leaf):
+    # Only amax_history carried the use count: scale.detach() gave a next scale of 0.0 silently;
+    # amax_history.detach() gave a count of 0, and the state was silently never updated.
     recipe = functe.DelayedScaling(amax_history_len=4)
     x, w = torch.randn(4, 16), torch.randn(16, 16) / 4
 
     def loss(p, s, x):
-        cut = functe.ScalingState(s.input.scale.detach(), s.input.amax_history)
+        scale, history = s.input.scale, s.input.amax_history
+        cut = (
+            functe.ScalingState(scale.detach(), history)
+            if leaf == "scale"
+            else functe.ScalingState(scale, history.detach())
+        )
         s = functe.LinearScalingState(input=cut, weight=s.weight, grad_output=s.grad_output)
         return functe.ops.fp8_linear(x, p, None, s, recipe=recipe).square().mean()
 
