@@ -346,6 +346,8 @@ def check_quantized_layout(op: str, arg: str, q: QuantizedTensor) -> None:
 
     if not isinstance(data, Tensor):
         fail("data", "a tensor", data)
+    # (the kernels would read scales on another device as pointers into data's)
+    check_same_device(op, {f"{arg}.data": data, f"{arg}.scale_inv": scale_inv, f"{arg}.block_scales": scales})
     if data.dim() < 1 and scales is not None:  # (a per-tensor FP8 scalar is fine: quantize makes one)
         fail("data", "a tensor of rank >= 1 (blocks along the last dim)", data)
     kind = None if scales is None else scales.dtype if isinstance(scales, Tensor) else type(scales)

@@ -154,11 +154,30 @@ def _packed(rows, cols):
             functe.DTypeError,
             r"'q\.block_scales' expected None, u8 \(MXFP8\), f32 \(FP8 block\) or f8e4m3 \(NVFP4\)",
         ),
+        # scales on another device than the data ('meta' stands in): torch's raw device error, and on a
+        # GPU the Triton kernels would have read them as pointers into the data's device
+        (
+            functe.QuantizedTensor(
+                torch.ones(4, 64).to(torch.float8_e5m2), None, torch.ones(4, 2, dtype=torch.uint8, device="meta")
+            ),
+            functe.DeviceError,
+            r"'q\.data' on cpu, 'q\.block_scales' on meta",
+        ),
+        (
+            functe.QuantizedTensor(torch.ones(4, 8).to(torch.float8_e4m3fn), torch.tensor(1.0, device="meta"), None),
+            functe.DeviceError,
+            r"'q\.data' on cpu, 'q\.scale_inv' on meta",
+        ),
     ],
 )
 @pytest.mark.parametrize("backend", ["torch", "interpret"])
 def test_dequantize_refuses_block_scales_that_do_not_fit_the_data(q, error, match, backend):
-    with functe.use_backend(backend), pytest.raises(error, match=r"functe\.dequantize: argument " + match):
+    prefix = (
+        r"functe\.dequantize: arguments must share one device, got "
+        if error is functe.DeviceError
+        else r"functe\.dequantize: argument "
+    )
+    with functe.use_backend(backend), pytest.raises(error, match=prefix + match):
         functe.dequantize(q)
 
 

@@ -232,6 +232,9 @@ def test_device_mismatch_error():
 def test_other_argument_errors():
     with pytest.raises(functe.ShapeError, match=r"functe\.bias: argument 'b' expected f32\[13\], got f32\[12\]"):
         ops.bias(torch.zeros(2, 13), torch.zeros(12))
+    # (a 0-d x blamed b: "argument 'b' expected f32[?], got f32[1]")
+    with pytest.raises(functe.ShapeError, match=r"functe\.bias: argument 'x' expected a tensor of rank >= 1"):
+        ops.bias(torch.tensor(1.0), torch.zeros(1))
     with pytest.raises(functe.ShapeError, match=r"'extra' expected f32\[2,13\], got f32\[13\]"):
         ops.add_extra_input(torch.zeros(2, 13), torch.zeros(13))
     with pytest.raises(functe.ShapeError, match=r"functe\.reshape: argument 'shape' expected a shape with 26 elements"):

@@ -87,6 +87,17 @@ def test_p_zero_is_the_identity():
     assert torch.equal(torch.func.grad(lambda x: (ops.dropout(x, 0, seed=1) * 3).sum())(x), torch.full_like(x, 3.0))
 
 
+def test_a_zero_dim_input_under_forward_mode_meta_and_compile(backend):
+    # The mask's key reshape got no shape for a 0-d seed and x: a raw TypeError from reshape()
+    x = torch.tensor(0.7)
+    f = lambda t: ops.dropout(t, 0.5, seed=1)
+    y = f(x)
+    assert y.item() in (0.0, (x / 0.5).item()) and torch.equal(torch.func.jvp(f, (x,), (torch.tensor(1.0),))[0], y)
+    assert torch.equal(torch.func.jacfwd(f)(x), torch.func.grad(f)(x))
+    assert f(torch.tensor(0.7, device="meta")).shape == ()
+    assert torch.equal(torch.compile(f, backend="eager")(x), y)
+
+
 def test_nan_and_inf_follow_torch(backend):
     """x·0 at dropped positions: NaN stays NaN, inf becomes NaN (as torch.nn.functional.dropout)."""
     x = torch.full((4096,), float("inf"))

@@ -206,7 +206,7 @@ def _keep(seed: Tensor, shape: torch.Size, p: float) -> Tensor:
     """The boolean keep mask for an input of ``shape`` (functional: works under every transform)."""
     inner = shape[seed.dim() :]
     n = math.prod(inner)
-    key = _keys(seed).reshape(*seed.shape, *([1] * len(inner)))
+    key = _keys(seed).reshape((*seed.shape, *([1] * len(inner))))  # (a tuple: a 0-d seed and x give ())
     index = torch.arange(n, dtype=torch.int64 if n > 2**31 else torch.int32, device=seed.device).view(inner)
     high = (index >> 32).to(torch.int32) if n > 2**32 else torch.zeros((), dtype=torch.int32, device=seed.device)
     bits = mix_torch(mix_torch(index.to(torch.int32) ^ mix_torch(key ^ mix_torch(high))) + key)

@@ -165,8 +165,10 @@ def bias(x: Tensor, b: Tensor) -> Tensor:
     """
     check_tensor("bias", "x", x)
     check_tensor("bias", "b", b)
-    if x.dim() < 1 or b.shape != (x.shape[-1],):
-        expected = describe_shape(x.dtype, (x.shape[-1] if x.dim() else None,))
+    if x.dim() < 1:
+        raise shape_error("bias", "x", "a tensor of rank >= 1 ([..., features])", x)
+    if b.shape != (x.shape[-1],):
+        expected = describe_shape(x.dtype, (x.shape[-1],))
         raise shape_error("bias", "b", expected, b, "one value per feature of x's last dimension")
     check_same_dtype("bias", "b", b, x, "x")
     check_same_device("bias", {"x": x, "b": b})
