@@ -366,8 +366,8 @@ _ROLES = ("input", "weight", "grad_output")
 def _combine(old: ScalingState, cts: list[ScalingState | None], recipe: DelayedScaling, role: str) -> ScalingState:
     """One cotangent for a state used by several copies: the update with the max of their amaxes."""
     used = [ct for ct in cts if ct is not None and ct.amax_history is not None]
-    if not used:
-        return as_cotangent(old, 0.0)
+    if not used:  # (a zero cotangent: count 0 beside a new scale would read as a cut history)
+        return ScalingState(scale=torch.zeros_like(old.scale), amax_history=torch.zeros_like(old.amax_history))
     counts = torch.stack([ct.amax_history[..., 0] for ct in used])
     # Each used copy's history ends with the amax it recorded (slot -1 after the roll).
     amaxes = torch.stack([ct.amax_history[..., -1] for ct in used])
@@ -379,7 +379,9 @@ def _combine(old: ScalingState, cts: list[ScalingState | None], recipe: DelayedS
     uses = torch.where(bad, torch.full_like(counts[0], -1.0), (counts.amax(0) > 0).to(torch.float32))
     combined = as_cotangent(new, 0.0)
     history = torch.cat([uses.reshape(1), combined.amax_history[1:]])
-    return ScalingState(scale=combined.scale, amax_history=history)
+    # (no copy ran its op: the scale cotangent is 0 too, as for a state never reached)
+    scale = torch.where(uses == 0, torch.zeros_like(combined.scale), combined.scale)
+    return ScalingState(scale=scale, amax_history=history)
 
 
 def _share_fwd(state, *, n, recipe):

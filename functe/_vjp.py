@@ -284,10 +284,10 @@ class CustomVJP:
             name, fwd, bwd, symbolic_zeros, batching, needs_input_grad, prune_residuals, constants, forward_mode=True
         )
         # Dynamo refuses Functions that define ``jvp``; compiled code gets a
-        # twin class without it (forward-mode AD is not traced by compile).
-        self.compiled_function = _make_function(
-            name, fwd, bwd, symbolic_zeros, batching, constants=constants, forward_mode=False
-        )
+        # twin class without it (forward-mode AD is not traced by compile). Nor does it get the
+        # constants: tensors in the closure of a Function's forward made Dynamo's trace of the
+        # backward fail (and a compiled graph is not differentiated twice, so the guard costs nothing).
+        self.compiled_function = _make_function(name, fwd, bwd, symbolic_zeros, batching, forward_mode=False)
         self._eager_apply = _C_APPLY.__get__(None, self.function)
 
     def __call__(self, *args, **static):

@@ -215,3 +215,22 @@ def test_a_compiled_training_step_runs_value_and_grad_eagerly_and_exactly(wrappe
         assert torch.equal(compiled_loss, loss)
     for got, want in zip(functe.tree_leaves(compiled_run), functe.tree_leaves(eager_run), strict=True):
         assert torch.equal(got, want)
+
+
+_CAPTURED_W, _CAPTURED_C = make((4, 4), torch.float32), make((4,), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "program",
+    [lambda x: ops.linear(x, _CAPTURED_W), lambda x: {"y": ops.linear(x, _CAPTURED_W) + _CAPTURED_C, "g": ops.gelu(x)}],
+    ids=["linear", "dict"],
+)
+def test_a_compiled_fused_function_with_captured_tensors_differentiates(program):
+    # A plan's literal tensors in the closure of the compiled Function's forward (as constant
+    # residuals) made Dynamo's trace of its backward fail: RuleError on the cotangent's structure,
+    # "unhashable type: 'list'" for a dict output.
+    x = make((3, 4), torch.float32).requires_grad_()
+    loss = lambda out: sum(o.square().sum() for o in functe.tree_leaves(out))
+    want = torch.autograd.grad(loss(program(x)), x)[0]
+    got = torch.autograd.grad(loss(torch.compile(functe.fuse(program), backend="aot_eager")(x)), x)[0]
+    assert_close(got, want)

@@ -264,6 +264,20 @@ def test_share_state_with_an_unused_copy_is_a_single_use():
         assert torch.equal(a, b)
 
 
+def test_share_state_whose_copies_ran_no_op_keeps_the_state():
+    # Copies whose cotangents carry count 0 (zeros, as autograd materialises them): the combined
+    # cotangent must read as "never reached" (a count of 0 beside a recomputed scale reads as a
+    # cut history, a bad use).
+    recipe = DelayedScaling(amax_history_len=4)
+    state = functe.init_linear_scaling_state(recipe)
+    _, pullback = torch.func.vjp(lambda s: functe.share_state(s, 2, recipe=recipe), state)
+    zero = functe.tree_map(torch.zeros_like, state)
+    (ct,) = pullback((zero, zero))
+    kept = functe.state_from_gradient(state, ct)
+    for a, b in zip(functe.tree_leaves(kept), functe.tree_leaves(state)):
+        assert torch.equal(a, b)
+
+
 def test_share_state_errors():
     recipe = DelayedScaling(amax_history_len=1)
     state = functe.init_linear_scaling_state(recipe)
