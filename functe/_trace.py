@@ -642,32 +642,47 @@ def _refuse_captured_tangents(fn: Callable, label: str) -> None:
                 )
 
 
-def _refuse_captured_transformed(fn: Callable, label: str) -> None:
+def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None:
     """Raise if ``fn`` reaches by name a tensor (or a module's parameter) that a ``torch.func`` level
     differentiates (a ``grad``/``vjp`` wrapper requiring grad, a ``jvp`` wrapper with a tangent).
     Checked in the forward: when none of the op's own arguments is differentiated the op is no
     autograd node, its backward never runs, and the gradient or tangent came out zero. A tensor an
-    enclosing ``vmap`` batches is refused too: the op's vmap rule runs ``fn`` outside that level,
-    where functorch failed on it ("escaped")."""
+    enclosing ``vmap`` batches is refused too when none of the op's arguments (``leaves``) is
+    batched: functorch failed on it ("escaped"); with a batched argument the vmap rule runs ``fn``
+    on it correctly."""
     f = torch._C._functorch
+    batched_argument = None  # (computed on the first batched capture)
     for v in _named_values(fn):
         tensors = list(v.parameters()) if isinstance(v, torch.nn.Module) else [v] if isinstance(v, Tensor) else []
         for t in tensors:
             w = t
             while f.is_functorch_wrapped_tensor(w):
                 if f.is_batchedtensor(w):
-                    raise TransformError(
-                        f"functe.{label}: the function uses {describe(t)}, which an enclosing torch.func.vmap "
-                        "batches, without taking it as an argument; the opaque op batches its arguments only: "
-                        "pass it as an argument"
-                    )
-                if f.is_gradtrackingtensor(w) and _differentiated_at(w):
+                    if batched_argument is None:
+                        batched_argument = any(_is_batched(leaf) for leaf in leaves if isinstance(leaf, Tensor))
+                    if not batched_argument:
+                        raise TransformError(
+                            f"functe.{label}: the function uses {describe(t)}, which an enclosing torch.func.vmap "
+                            "batches, without taking it as an argument, and none of its arguments is batched: "
+                            "pass it as an argument"
+                        )
+                elif f.is_gradtrackingtensor(w) and _differentiated_at(w):
                     raise ArgumentError(
                         f"functe.{label}: the function uses {describe(t)}, which a torch.func transform "
                         "differentiates, without taking it as an argument; the opaque op differentiates its "
                         "arguments only, so that derivative would be lost: pass it as an argument"
                     )
                 w = f.get_unwrapped(w)
+
+
+def _is_batched(t: Tensor) -> bool:
+    """Whether some vmap level batches ``t`` (one of the functorch wrappers around it)."""
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(t):
+        if f.is_batchedtensor(t):
+            return True
+        t = f.get_unwrapped(t)
+    return False
 
 
 def _cell_filled(cell) -> bool:

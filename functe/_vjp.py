@@ -275,8 +275,9 @@ class CustomVJP:
         self.bwd = bwd
         self.symbolic_zeros = symbolic_zeros
         self.batching = batching
-        # (a check of the caller's context run at each call, before any Function: see functe.opaque)
-        self.precheck: Callable[[], None] | None = None
+        # (a check of the caller's context and the call's argument leaves, run at each call before any
+        # Function: see functe.opaque)
+        self.precheck: Callable[[list], None] | None = None
         self.needs_input_grad = needs_input_grad
         self.prune_residuals = prune_residuals
         self.constant_residuals = constants = tuple(constant_residuals)
@@ -302,9 +303,9 @@ class CustomVJP:
             traced = _recorder(self, args, static)
             if traced is not NotImplemented:
                 return traced
-        if self.precheck is not None:
-            self.precheck()
         leaves, in_tree = tree_flatten(args)
+        if self.precheck is not None:
+            self.precheck(leaves)
         mode = _call_mode(leaves)
         if mode is _FORWARD_ONLY:
             # Nothing will ask for a backward: the forward rule alone, its residuals dropped (the

@@ -222,13 +222,20 @@ _CAPTURED_W, _CAPTURED_C = make((4, 4), torch.float32), make((4,), torch.float32
 
 @pytest.mark.parametrize(
     "program",
-    [lambda x: ops.linear(x, _CAPTURED_W), lambda x: {"y": ops.linear(x, _CAPTURED_W) + _CAPTURED_C, "g": ops.gelu(x)}],
-    ids=["linear", "dict"],
+    [
+        lambda x: ops.linear(x, _CAPTURED_W),
+        lambda x: {"y": ops.linear(x, _CAPTURED_W) + _CAPTURED_C, "g": ops.gelu(x)},
+        lambda x: ops.linear(x, _CAPTURED_W) * 2.0,
+        lambda x: {"g": ops.gelu(x), "z": ops.linear(x, _CAPTURED_W) * 2.0},
+    ],
+    ids=["linear", "dict", "scaled", "scaled dict"],
 )
 def test_a_compiled_fused_function_with_captured_tensors_differentiates(program):
     # A plan's literal tensors in the closure of the compiled Function's forward (as constant
     # residuals) made Dynamo's trace of its backward fail: RuleError on the cotangent's structure,
-    # "unhashable type: 'list'" for a dict output.
+    # "unhashable type: 'list'" for a dict output. With a frozen (captured) weight under a fused
+    # linear + scale, the residual pruning's `is` between two tuples broke the graph, past which
+    # Dynamo's optree polyfill failed the same two ways.
     x = make((3, 4), torch.float32).requires_grad_()
     loss = lambda out: sum(o.square().sum() for o in functe.tree_leaves(out))
     want = torch.autograd.grad(loss(program(x)), x)[0]

@@ -98,6 +98,14 @@ def test_a_captured_batched_tensor_is_refused_by_opaque_and_batched_by_fuse():
         torch.func.vmap(lambda w: functe.opaque(lambda x: x @ w.T)(x))(ws)
     fused = torch.func.vmap(lambda w: functe.fuse(lambda x: functe.opaque(lambda x: x @ w.T)(x))(x))(ws)
     assert_close(fused, x @ ws.transpose(1, 2))
+    # ... but not when an argument of the op is batched too: its vmap rule then runs the function
+    # correctly (values and gradients)
+    xs = torch.randn(3, 4, 8, dtype=F64)
+    assert_close(torch.func.vmap(lambda x, w: functe.opaque(lambda x: x @ w.T)(x))(xs, ws), xs @ ws.transpose(1, 2))
+    grad_of = lambda f: torch.func.vmap(
+        lambda x, w: torch.func.grad(lambda x: f(lambda x: (x @ w.T).sin())(x).sum())(x)
+    )
+    assert_close(grad_of(functe.opaque)(xs, ws), grad_of(lambda f: f)(xs, ws))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -83,7 +83,9 @@ def prune_covered(index: int, prune, arguments: int, static: tuple[str, ...] = (
 
     def fused_prune(res, *, needs_input_grad, **params):
         kept = prune(res[index], needs_input_grad=needs_input_grad[:arguments], **{k: params[k] for k in static})
-        return res if kept is res[index] else (*res[:index], kept, *res[index + 1 :])
+        # (always a new tuple: Dynamo cannot trace ``is`` between two tuples, and broke the graph there,
+        # past which its optree polyfill failed on a dict output; the caller compares the leaves)
+        return (*res[:index], kept, *res[index + 1 :])
 
     return fused_prune
 
