@@ -712,6 +712,7 @@ def _eager_function(
 
     single = out_tree == LEAF
     n_out = out_tree.num_leaves
+    literal_ids = frozenset(map(id, literals))
     constant_positions = [i for i, constant in enumerate(constant_outputs) if constant]
     # The gradients' shapes and dtypes depend on the signature only: checked on the first backward
     # (autograd itself would silently sum a [1,N] gradient to [N], or cast it).
@@ -726,8 +727,9 @@ def _eager_function(
         res_leaves, res_tree = tree_flatten(res)
         layout = [_SAVED if isinstance(r, Tensor) else r for r in res_leaves]
         saved = [r for r in res_leaves if isinstance(r, Tensor)]
-        known = {id(t) for t in (*tensors, *out_leaves, *literals)}
-        n_new = sum(id(r) not in known for r in saved)  # intermediates: differentiating through them is refused
+        known = {id(t) for t in (*tensors, *out_leaves)}
+        # intermediates: differentiating through them is refused
+        n_new = sum(id(r) not in known and id(r) not in literal_ids for r in saved)
         anchor = [higher_order_anchor(saved[0])] if n_new else []
         ctx.save_for_backward(*saved, *anchor)
         ctx.residual_layout = (res_tree, layout, n_new)

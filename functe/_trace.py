@@ -42,6 +42,7 @@ from torch.autograd import forward_ad
 from . import _vjp
 from ._backend import any_tangent, forward_ad_active, use_backend
 from ._errors import ArgumentError, FuncteError, RuleError, TraceError, TransformError, describe
+from ._kernel import batched
 from ._oplist import Eqn, Literal, OpList, Var
 from ._rng import RandomState
 from ._tree import tree_flatten, tree_unflatten
@@ -659,7 +660,7 @@ def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None
             while f.is_functorch_wrapped_tensor(w):
                 if f.is_batchedtensor(w):
                     if batched_argument is None:
-                        batched_argument = any(_is_batched(leaf) for leaf in leaves if isinstance(leaf, Tensor))
+                        batched_argument = batched(leaves)
                     if not batched_argument:
                         raise TransformError(
                             f"functe.{label}: the function uses {describe(t)}, which an enclosing torch.func.vmap "
@@ -673,16 +674,6 @@ def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None
                         "arguments only, so that derivative would be lost: pass it as an argument"
                     )
                 w = f.get_unwrapped(w)
-
-
-def _is_batched(t: Tensor) -> bool:
-    """Whether some vmap level batches ``t`` (one of the functorch wrappers around it)."""
-    f = torch._C._functorch
-    while f.is_functorch_wrapped_tensor(t):
-        if f.is_batchedtensor(t):
-            return True
-        t = f.get_unwrapped(t)
-    return False
 
 
 def _cell_filled(cell) -> bool:
