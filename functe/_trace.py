@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd import forward_ad
 
@@ -193,6 +194,8 @@ def _record(op: CustomVJP, args: tuple, static: dict[str, Any]):
             "functe.opaque(fn)"
         )
     trace = _active
+    if getattr(op, "opaque_fn", None) is not None:
+        _refuse_captured_tracers(op)
     inputs = [_atom(op.name, leaf, trace) for leaf in leaves]
     device = next(a.device if isinstance(a, Var) else a.value.device for a in inputs if _is_tensor_atom(a))
     out = infer_outputs(op, inputs, static, in_tree)
@@ -204,6 +207,18 @@ def _record(op: CustomVJP, args: tuple, static: dict[str, Any]):
         outputs.append(None if leaf is None else Var(leaf.shape, leaf.dtype, device))
     trace.eqns.append(Eqn(op, inputs, outputs, static, in_tree=in_tree, out_tree=out_tree))
     return tree_unflatten(out_tree, [None if v is None else Tracer(v, trace) for v in outputs])
+
+
+def _refuse_captured_tracers(op: CustomVJP) -> None:
+    """Raise if an opaque op's function reaches a traced value by name: the equation records the
+    op's arguments only, so the plan would run the function on the trace's stand-in (which has no
+    data) instead of the value of that call."""
+    for v in _named_values(op.opaque_fn):
+        if isinstance(v, Tracer):
+            raise TraceError(
+                f"functe.{op.name}: the function uses a traced value {describe(v)} without taking it as an "
+                "argument; an op list records the op's arguments only: pass it as an argument"
+            )
 
 
 def _is_tensor_atom(atom) -> bool:
@@ -604,6 +619,7 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
                 return vjp_call(fn, args, ct, **static)
 
         op = table[key] = custom_vjp(label, fwd, bwd)
+        op.opaque_fn = fn  # (a trace refuses a traced value it reaches by name: see _record)
         # (functe.fuse checks the function's captured state per call: see Plan.check_captured)
         op.opaque_check = functools.partial(_refuse_captured_grads, fn, label)
         # (before the op's Function: inside its forward a torch.func wrapper shows no tangent)
@@ -652,15 +668,16 @@ def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None
     batched: functorch failed on it ("escaped"); with a batched argument the vmap rule runs ``fn``
     on it correctly."""
     f = torch._C._functorch
-    batched_argument = None  # (computed on the first batched capture)
+    batched_argument = None  # (computed on the first wrapped capture)
     for v in _named_values(fn):
         tensors = list(v.parameters()) if isinstance(v, torch.nn.Module) else [v] if isinstance(v, Tensor) else []
         for t in tensors:
-            w = t
+            w, top = t, 0
             while f.is_functorch_wrapped_tensor(w):
+                top = max(top, f.maybe_get_level(w))
+                if batched_argument is None:
+                    batched_argument = batched(leaves)
                 if f.is_batchedtensor(w):
-                    if batched_argument is None:
-                        batched_argument = batched(leaves)
                     if not batched_argument:
                         raise TransformError(
                             f"functe.{label}: the function uses {describe(t)}, which an enclosing torch.func.vmap "
@@ -674,6 +691,25 @@ def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None
                         "arguments only, so that derivative would be lost: pass it as an argument"
                     )
                 w = f.get_unwrapped(w)
+            if top and batched_argument and top >= _lowest_differentiating_level():
+                raise TransformError(
+                    f"functe.{label}: the function uses {describe(t)}, which a torch.func grad/jvp level (or a "
+                    "vmap inside one) wraps, without taking it as an argument; the op's vmap rule runs the "
+                    "function below that level, where torch cannot unwrap it (an INTERNAL ASSERT): pass it "
+                    "as an argument"
+                )
+
+
+def _lowest_differentiating_level() -> float:
+    """The level of the outermost ``torch.func`` transform that is not a ``vmap`` (inf if none).
+
+    The op's vmap rule runs its function below every level its arguments are batched at, and
+    below every grad/jvp level: functorch then fails (an INTERNAL ASSERT, measured in torch 2.13)
+    on a captured tensor wrapped at such a level or above one; a capture wrapped only by ``vmap``
+    levels under all of them works."""
+    vmap = torch._C._functorch.TransformType.Vmap
+    levels = [i.level() for i in retrieve_all_functorch_interpreters() if i.key() != vmap]
+    return min(levels, default=math.inf)
 
 
 def _cell_filled(cell) -> bool:

@@ -108,6 +108,58 @@ def test_a_captured_batched_tensor_is_refused_by_opaque_and_batched_by_fuse():
     assert_close(grad_of(functe.opaque)(xs, ws), grad_of(lambda f: f)(xs, ws))
 
 
+def _nested(case: str):
+    """A nest of vmap ("v") and grad ("g") levels around ``op(lambda x: (x * w).sin())(x)``; the
+    ``w`` levels take ``w`` as an argument, the function captures it below them."""
+    vmap, grad = torch.func.vmap, torch.func.grad
+
+    def loss(op):
+        return lambda x, w: op(lambda x: (x * w).sin())(x).sum()
+
+    return {
+        "vmap(grad), w from the vmap": lambda op: vmap(lambda x, w: grad(lambda x: loss(op)(x, w))(x)),
+        "vmap(vmap), w from both": lambda op: vmap(vmap(loss(op))),
+        "vmap(grad), w from both": lambda op: vmap(grad(loss(op))),
+        "grad(vmap), w from the grad": lambda op: grad(lambda x, w: vmap(lambda x: loss(op)(x, w))(x).sum()),
+        "grad(vmap), w from both": lambda op: grad(lambda x, w: vmap(loss(op))(x, w).sum()),
+    }[case]
+
+
+@pytest.mark.parametrize(
+    "case, works",
+    [
+        ("vmap(grad), w from the vmap", True),
+        ("vmap(vmap), w from both", True),
+        ("vmap(grad), w from both", False),
+        ("grad(vmap), w from the grad", False),
+        ("grad(vmap), w from both", False),
+    ],
+)
+def test_a_capture_wrapped_at_a_grad_level_is_refused_under_the_ops_vmap_rule(case, works):
+    # The op's vmap rule runs the function below every grad level and every level its arguments are
+    # batched at: functorch failed (INTERNAL ASSERT "wrapper == nullptr") on a capture wrapped at a
+    # grad level or at a vmap level above one (vmap(grad(f)) with w an argument of the grad'd
+    # function); captures wrapped by vmap levels under every grad level work.
+    xs, ws = torch.randn(2, 3, 5, dtype=F64), torch.randn(2, 3, 5, dtype=F64)
+    program = _nested(case)
+    if works:
+        assert_close(program(functe.opaque)(xs, ws), program(lambda f: f)(xs, ws))
+    else:
+        with pytest.raises(functe.TransformError, match=r"opaque_<lambda>: the function uses f64\[.*grad/jvp level"):
+            program(functe.opaque)(xs, ws)
+        program(lambda f: f)(xs, ws)  # (plain torch runs it)
+
+
+def test_an_opaque_function_capturing_a_traced_value_is_refused_by_the_trace():
+    # The equation records the op's arguments only: the plan ran the function on the trace's
+    # stand-in ("a traced value escaped its trace", an error blaming the caller)
+    x, w = torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    program = functe.fuse(lambda x, w: functe.opaque(lambda x: x * w)(x))
+    with pytest.raises(functe.TraceError, match=r"opaque_<lambda>: the function uses a traced value f64\[3,4\]"):
+        program(x, w)
+    assert_close(functe.fuse(lambda x, w: functe.opaque(lambda x, w: x * w)(x, w))(x, w), x * w)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "name, fn",
