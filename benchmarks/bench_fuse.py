@@ -168,8 +168,9 @@ def large(dtypes, reps: int, *, func: bool = False) -> str:
 
 
 def batched() -> str:
-    """Gradients over a batch of 32 examples (tiny blocks, fp32, 1 thread) through ``torch.func``:
-    per-example (``vmap(grad)``) and of the summed loss taken outside the vmap (``grad(vmap)``)."""
+    """Parameter gradients over a batch of 32 examples (tiny blocks, fp32, 1 thread) through
+    ``torch.func``: per-example (``vmap(grad)``) and of the summed loss taken outside the vmap
+    (``grad(vmap)``). Both differentiate the parameters ``p``, not the inputs."""
     _, p = make_inputs(4, 8, 16, torch.float32)
     xs = torch.randn(32, 4, 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     p = {k: v.detach() for k, v in p.items()}
@@ -179,7 +180,7 @@ def batched() -> str:
     torch.set_num_threads(1)
     rows = []
     for case, transform in (
-        ("vmap(grad)", lambda loss: torch.func.vmap(torch.func.grad(loss), in_dims=(0, None))),
+        ("vmap(grad)", lambda loss: torch.func.vmap(torch.func.grad(loss, argnums=1), in_dims=(0, None))),
         (
             "grad(vmap)",
             lambda loss: (

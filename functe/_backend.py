@@ -54,9 +54,10 @@ def set_backend(name: str) -> None:
 
     Example:
         >>> import functe
+        >>> previous = functe.get_backend()
         >>> functe.set_backend("torch"); functe.get_backend()
         'torch'
-        >>> functe.set_backend("auto")
+        >>> functe.set_backend(previous)  # (or functe.use_backend for a scoped change)
     """
     global _current
     _current = _validated(name, "set_backend")
