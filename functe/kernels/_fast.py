@@ -39,9 +39,13 @@ def eager_cpu(*tensors: Tensor | None) -> bool:
     """Whether a twin may take its CPU fast path for these arguments.
 
     True for plain CPU tensors (not fake, not ``torch.func`` wrappers, no forward-mode tangent) that
-    autograd does not record, outside ``torch.compile``.
+    autograd does not record, outside ``torch.compile`` and outside any dispatch mode.
     """
-    if torch.compiler.is_compiling():
+    # (a dispatch mode records what runs: make_fx, and torch.func.linearize through it, traced the
+    # fast path's out= writes into scratch buffers, and its constant folding moved reads of those
+    # buffers ahead of the writes: tangents of uninitialised memory. The threaded path is not
+    # recorded at all.)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
