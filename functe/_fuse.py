@@ -42,6 +42,7 @@ import optree
 import torch
 
 from . import _trace
+from ._autocast import autocast_state
 from ._backend import any_tangent
 from ._errors import ArgumentError, TraceError, TransformError, called_as, describe
 from ._kernel import batched, empty_batched, formula_twins
@@ -908,7 +909,7 @@ class Fused:
             else:
                 key.append(_static_key(x))
         if torch._C._is_any_autocast_enabled():  # (a trace under autocast folds and records its dtypes)
-            key.append(_autocast_state())
+            key.append(autocast_state())  # (the signature's)
         key = tuple(key)
         try:
             index = self._index.get(key)
@@ -990,15 +991,6 @@ def _shown(entry: tuple) -> str:
     if isinstance(value, str) and kind is not str:
         return repr(float.fromhex(value))  # (only floats are keyed by a string of another type)
     return repr(value)
-
-
-def _autocast_state() -> tuple:
-    """Which devices autocast is on for, and to which dtype (part of the signature when on)."""
-    return tuple(
-        (device, torch.get_autocast_dtype(device))
-        for device in ("cpu", "cuda", "xpu", "mps")
-        if torch.is_autocast_enabled(device)
-    )
 
 
 def _static_key(x: Any) -> tuple:

@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd import forward_ad
 
 from . import _vjp
+from ._autocast import autocast_as, autocast_off, autocast_state
 from ._backend import any_tangent, forward_ad_active, use_backend
 from ._errors import ArgumentError, FuncteError, RuleError, TraceError, TransformError, describe
 from ._kernel import batched
@@ -610,15 +611,16 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
             if forward_ad_active():
                 _refuse_captured_tangents(fn, label)
             rng = RandomState(args)  # (before fn draws: the backward replays the same draws)
-            return fn(*args, **static), (args, rng)
+            # (and under the forward's autocast: the backward may run outside it)
+            return fn(*args, **static), (args, rng, autocast_state())
 
         def bwd(res, ct, **static):
-            args, rng = res
+            args, rng, amp = res
             _refuse_captured_grads(fn, label)
-            with rng.restored():
+            with rng.restored(), autocast_as(amp):
                 return vjp_call(fn, args, ct, **static)
 
-        op = table[key] = custom_vjp(label, fwd, bwd)
+        op = table[key] = custom_vjp(label, fwd, bwd, keep_autocast=True)
         op.opaque_fn = fn  # (a trace refuses a traced value it reaches by name: see _record)
         # (functe.fuse checks the function's captured state per call: see Plan.check_captured)
         op.opaque_check = functools.partial(_refuse_captured_grads, fn, label)
@@ -797,12 +799,14 @@ def _add(a, b):
     _integer_arithmetic("+", a, b)
     ops = _ops()
     if isinstance(a, Tensor) and isinstance(b, Tensor):
-        if a.shape == b.shape:
-            return ops.add_extra_input(a, b)
-        if b.dim() == 1 and a.dim() >= 1 and b.shape[0] == a.shape[-1]:
-            return ops.bias(a, b)
-        if a.dim() == 1 and b.dim() >= 1 and a.shape[0] == b.shape[-1]:
-            return ops.bias(b, a)
+        # (autocast does not cast torch's +, so neither do its ops here: mixed dtypes are refused)
+        with autocast_off():
+            if a.shape == b.shape:
+                return ops.add_extra_input(a, b)
+            if b.dim() == 1 and a.dim() >= 1 and b.shape[0] == a.shape[-1]:
+                return ops.bias(a, b)
+            if a.dim() == 1 and b.dim() >= 1 and a.shape[0] == b.shape[-1]:
+                return ops.bias(b, a)
     raise TraceError(
         f"functe.trace: {describe(a)} + {describe(b)} has no functe op: functe records x + y for equal shapes "
         "(add_extra_input) and x + b for a per-feature b (bias); use functe.opaque for anything else"
@@ -886,8 +890,8 @@ def _same(x, *args, **kwargs):
 
 
 def _to(x, *args, **kwargs):
-    # Only no-op conversions are recorded: a dtype or device change has no op. (x.to(other) takes
-    # other's dtype and device.)
+    # No-op conversions and floating-point dtype changes (the cast op) are recorded: a device
+    # change has no op. (x.to(other) takes other's dtype and device.)
     target = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
@@ -904,10 +908,16 @@ def _to(x, *args, **kwargs):
     copy = kwargs.get("copy", False) or (len(flags) > 1 and flags[1])
     if all(t in (x.dtype, x.device) for t in target) and not copy:
         return x
+    dtypes = [t for t in target if isinstance(t, torch.dtype) and t != x.dtype]
+    if len(dtypes) == 1 and all(t in (x.dtype, x.device, *dtypes) for t in target) and not copy:
+        if x.dtype in _FLOATS and dtypes[0] in _FLOATS:  # (a float dtype change: the cast op)
+            return _ops()._cast.cast(x, dtype=dtypes[0])
     named = lambda a: torch.device(a) if isinstance(a, str) else a  # (the message shows the device)
     why = " (copy=True makes a copy)" if copy else ""
     raise _unsupported(Tensor.to, (x, *map(named, args)), {k: named(v) for k, v in kwargs.items()}, why)
 
+
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 T = Tensor
 _TRANSLATIONS: dict[Any, Callable] = {

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ._autocast import without_autocast
 from ._backend import any_tangent
 from ._errors import ArgumentError, RuleError, TransformError, called_as, describe, describe_shape
 from ._kernel import (
@@ -233,6 +234,10 @@ class CustomVJP:
             a frozen weight): saved as intermediates are, but differentiating
             the backward needs no guard for them (their derivative is zero),
             so second order stays exact. Matched by identity.
+        keep_autocast: run the rules under the caller's ``torch.autocast``. By default
+            they run with autocast off, so they compute in their arguments' dtypes
+            (``functe._autocast``: functe's ops cast their data arguments to autocast's
+            dtype before the op); :func:`functe.opaque` keeps it (its function runs as-is).
 
     Example:
         >>> import torch
@@ -256,6 +261,7 @@ class CustomVJP:
         needs_input_grad: bool = False,
         prune_residuals: Callable | None = None,
         constant_residuals: tuple[Tensor, ...] = (),
+        keep_autocast: bool = False,
     ):
         if batching not in ("forward", None):
             raise RuleError(f"custom_vjp {name}: batching must be 'forward' or None, got {batching!r}")
@@ -270,6 +276,8 @@ class CustomVJP:
                     f"custom_vjp {name}: constant_residuals must be plain tensors that require no gradient, "
                     f"got {describe(c)}"
                 )
+        if not keep_autocast:
+            fwd, bwd = without_autocast(fwd), without_autocast(bwd)
         self.name = name
         self.fwd = fwd
         self.bwd = bwd
@@ -338,6 +346,7 @@ def custom_vjp(
     needs_input_grad: bool = False,
     prune_residuals: Callable | None = None,
     constant_residuals: tuple[Tensor, ...] = (),
+    keep_autocast: bool = False,
 ) -> CustomVJP:
     """Define an op from a forward rule and a backward rule (see :class:`CustomVJP`).
 
@@ -363,6 +372,7 @@ def custom_vjp(
         needs_input_grad=needs_input_grad,
         prune_residuals=prune_residuals,
         constant_residuals=constant_residuals,
+        keep_autocast=keep_autocast,
     )
 
 

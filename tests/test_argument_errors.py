@@ -103,10 +103,14 @@ def test_state_and_seed_devices_are_checked():
 def test_to_another_tensor_converts_or_is_refused():
     # x.to(other) takes other's dtype: it was recorded as a no-op (the fused result stayed f32).
     like = torch.zeros(1, dtype=torch.float16)
-    with pytest.raises(functe.TraceError, match=r"Tensor\.to\(f32\[4,8\], f16\[1\]\)"):
-        functe.trace(lambda x, like: ops.gelu(x).to(like))(X, like)
+    printed = str(functe.trace(lambda x, like: ops.gelu(x).to(like))(X, like))
+    assert "f16[4,8] = cast[dtype=f16]" in printed, printed
+    converted = functe.fuse(lambda x, like: ops.gelu(x).to(like))(X, like)
+    assert converted.dtype == torch.float16 and torch.equal(converted, ops.gelu(X).half())
     same = functe.fuse(lambda x, like: ops.gelu(x).to(like))
     assert torch.equal(same(X, torch.zeros(1)), ops.gelu(X))
+    with pytest.raises(functe.TraceError, match=r"Tensor\.to\(f32\[4,8\], i32\[1\]\)"):  # (not a float dtype)
+        functe.trace(lambda x, like: ops.gelu(x).to(like))(X, torch.zeros(1, dtype=torch.int32))
 
 
 def test_traced_dtype_errors_keep_their_message():

@@ -30,6 +30,7 @@ from ..kernels.activation import (
     NAMES,
     is_gated,
 )
+from ._cast import autocast_inputs
 
 Tensor = torch.Tensor
 
@@ -60,6 +61,7 @@ _activation = custom_vjp("activation", _fwd, _bwd)
 
 def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: dict | None) -> Tensor:
     """Validate and run activation ``name`` (``clamp``: the clamped-SwiGLU parameters or None)."""
+    (x,) = autocast_inputs(x)  # (not s: the row scales keep their dtype, fp32 beside any x)
     check_tensor(op, "x", x)
     gated = is_gated(name)
     if gated and (x.dim() == 0 or x.shape[-1] < 2 or x.shape[-1] % 2):

@@ -38,6 +38,7 @@ from .._parallel import (
 from .._vjp import custom_vjp
 from ..kernels._common import rows_view
 from ..kernels.elementwise import ADD_BIAS, AXPBY, BIAS_GRAD
+from ._cast import autocast_inputs
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -117,6 +118,7 @@ def linear(
         >>> ops.linear(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4)).shape
         torch.Size([2, 4])
     """
+    x, weight, bias = autocast_inputs(x, weight, bias)
     check_tensor("linear", "x", x)
     check_tensor("linear", "weight", weight)
     if x.dim() < 1:
@@ -163,6 +165,7 @@ def bias(x: Tensor, b: Tensor) -> Tensor:
         >>> ops.bias(torch.zeros(2, 3), torch.tensor([1.0, 2.0, 3.0])).tolist()
         [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
     """
+    x, b = autocast_inputs(x, b)
     check_tensor("bias", "x", x)
     check_tensor("bias", "b", b)
     if x.dim() < 1:
@@ -206,6 +209,7 @@ def add_extra_input(x: Tensor, extra: Tensor, *, in_place: bool = False) -> Tens
         >>> ops.add_extra_input(torch.ones(2), torch.full((2,), 2.0)).tolist()
         [3.0, 3.0]
     """
+    x, extra = autocast_inputs(x, extra)
     check_tensor("add_extra_input", "x", x)
     check_tensor("add_extra_input", "extra", extra)
     if extra.shape != x.shape:

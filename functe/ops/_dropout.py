@@ -18,6 +18,7 @@ from .._seed import seed_tensor
 from .._vjp import custom_vjp
 from ..kernels._common import static_float
 from ..kernels.dropout import DROPOUT
+from ._cast import autocast_inputs
 
 Tensor = torch.Tensor
 
@@ -60,6 +61,7 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
         >>> torch.equal(y, ops.dropout(torch.ones(10_000), 0.25, seed=7))
         True
     """
+    (x,) = autocast_inputs(x)
     check_tensor("dropout", "x", x)
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ArgumentError(f"functe.dropout: argument 'p' expected a Python number in [0, 1), got {p!r}")

@@ -49,6 +49,7 @@ from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST
 from ._block_linear import block_linear
+from ._cast import autocast_inputs
 from ._core import linear_prune
 
 if TYPE_CHECKING:
@@ -303,6 +304,7 @@ def fp8_linear(
         [8.0, 8.0]
     """
     check_recipe("fp8_linear", recipe)
+    x, weight, bias = autocast_inputs(x, weight, bias)  # (not the state: its scales stay fp32)
     check_tensor("fp8_linear", "x", x, dtypes=QUANTIZABLE)
     check_tensor("fp8_linear", "weight", weight, dtypes=QUANTIZABLE)
     if x.dim() < 1:

@@ -31,6 +31,7 @@ from ..kernels.norm import (
     RMS_NORM,
     RMS_NORM_BWD,
 )
+from ._cast import autocast_inputs
 
 Tensor = torch.Tensor
 
@@ -112,6 +113,7 @@ def layer_norm(
         >>> [round(v, 4) for v in y[0].tolist()]
         [-1.0, 1.0]
     """
+    x, weight, bias = autocast_inputs(x, weight, bias)
     eps = _check("layer_norm", x, {"weight": weight, "bias": bias}, eps)
     return _layer_norm(
         x,
@@ -144,6 +146,7 @@ def rms_norm(x: Tensor, weight: Tensor, *, eps: float = 1e-5, zero_centered_gamm
         >>> [round(v, 4) for v in y[0].tolist()]
         [0.8485, -1.1314]
     """
+    x, weight = autocast_inputs(x, weight)
     eps = _check("rms_norm", x, {"weight": weight}, eps)
     return _rms_norm(
         x, weight, eps=eps, zero_centered_gamma=check_flag("rms_norm", "zero_centered_gamma", zero_centered_gamma)
@@ -170,5 +173,6 @@ def l2_normalize(x: Tensor, *, eps: float = 1e-6) -> Tensor:
         >>> ops.l2_normalize(torch.tensor([[3.0, 4.0]]), eps=0.0).tolist()
         [[0.6000000238418579, 0.800000011920929]]
     """
+    (x,) = autocast_inputs(x)
     eps = _check("l2_normalize", x, {}, eps)
     return _l2_normalize(x, eps=eps)
