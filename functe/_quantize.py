@@ -29,6 +29,7 @@ from ._recipe import BLOCK_RECIPES, ROLES, DelayedScaling, MXFP8BlockScaling, Re
 from ._seed import seed_tensor
 from ._state import ScalingState
 from ._tree import pytree_dataclass
+from .kernels.block_quantize import block_index
 from .kernels.norm_quantize import NORM_CAST_AMAX
 from .kernels.quantize import (
     ACT_CAST_AMAX,
@@ -268,9 +269,10 @@ def quantize(
     if role not in ROLES:
         raise ArgumentError(f"functe.quantize: argument 'role' expected one of {ROLES}, got {role!r}")
     x = x.detach()
+    # (checked for every recipe: the deterministic ones ignore its value, not a malformed seed)
+    seed = None if seed is None else seed_tensor(seed, x, "quantize")
     if isinstance(recipe, BLOCK_RECIPES):
         _no_state(state, recipe)
-        seed = None if seed is None else seed_tensor(seed, x, "quantize")
         data, scale_inv, block_scales = quantize_block(x, recipe, role, seed)
         return QuantizedTensor(data=data, scale_inv=scale_inv, block_scales=block_scales), None
     qdtype = recipe.dtype(role)
@@ -381,6 +383,5 @@ def check_quantized_layout(op: str, arg: str, q: QuantizedTensor) -> None:
 
 def mx_dequantize(values: Tensor, e8m0: Tensor) -> Tensor:
     """``values * 2**(e - 127)`` with one exponent per 32 elements of the last dim (fp32)."""
-    k = values.shape[-1]
-    scale = e8m0_to_float(e8m0).repeat_interleave(32, dim=-1)[..., :k]
-    return values * scale
+    scale = e8m0_to_float(e8m0)
+    return values * scale.index_select(-1, block_index(values.shape[-1], 32, scale.device))

@@ -193,3 +193,28 @@ def test_dequantize_accepts_every_layout_quantize_makes(rows):
     assert functe.dequantize(q, torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(functe.DTypeError, match="argument 'dtype'"):
         functe.dequantize(q, torch.int32)
+
+
+def test_a_partial_last_block_dequantizes_correctly_under_inductor():
+    # Inductor miscompiled the per-element scales built as repeat_interleave(block)[..., :K] when K
+    # is not a multiple of the block: the 8 columns past 128 came back as garbage (-2e12, 4.6e-41)
+    x = torch.randn(5, 136, generator=torch.Generator().manual_seed(0)) * 3
+    for recipe in (functe.Float8BlockScaling(), functe.MXFP8BlockScaling()):
+        roundtrip = lambda x, recipe=recipe: functe.dequantize(functe.quantize(x, recipe)[0])
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(roundtrip, backend="inductor")(x), roundtrip(x))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [functe.CurrentScaling(), functe.MXFP8BlockScaling(), functe.Float8BlockScaling(), functe.NVFP4BlockScaling()],
+    ids=lambda r: type(r).__name__,
+)
+def test_a_malformed_seed_is_refused_whatever_the_recipe(recipe):
+    # The deterministic recipes ignore a seed's value; a seed that is no seed was accepted silently
+    x, w = torch.randn(4, 32), torch.randn(8, 32)
+    for bad in ("not a seed", 1.5, torch.zeros(2, dtype=torch.int64)):
+        with pytest.raises((functe.ArgumentError, functe.ShapeError), match=r"functe\.quantize: argument 'seed'"):
+            functe.quantize(x, recipe, seed=bad)
+        with pytest.raises((functe.ArgumentError, functe.ShapeError), match=r"functe\.fp8_linear: argument 'seed'"):
+            functe.ops.fp8_linear(x, w, None, None, recipe=recipe, seed=bad)

@@ -565,8 +565,16 @@ def expand_block_scales(scales: Tensor, shape: torch.Size, block_rows: int, bloc
     """Per-element fp32 scales of a tensor of ``shape`` from its block scales (1-D or 2-D blocks)."""
     s = scales.to(torch.float32)
     if block_rows > 1:
-        s = s.repeat_interleave(block_rows, 0)[: shape[0]]
-    return s.repeat_interleave(block_cols, -1)[..., : shape[-1]]
+        s = s.index_select(0, block_index(shape[0], block_rows, s.device))
+    return s.index_select(-1, block_index(shape[-1], block_cols, s.device))
+
+
+def block_index(n: int, block: int, device: torch.device) -> Tensor:
+    """The block of each of ``n`` positions: ``[0]*block + [1]*block + ...`` (``n`` entries).
+
+    (Selecting scales by it, not ``repeat_interleave(block)[:n]``: Inductor miscompiled the sliced
+    repeat when ``n`` is not a multiple of ``block``, reading garbage for the last partial block.)"""
+    return torch.arange(n, device=device) // block
 
 
 def fp8_block_dequantize_ref(data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype) -> Tensor:

@@ -44,6 +44,7 @@ from .._parallel import (
 )
 from .._quantize import QUANTIZABLE, cast, cast_dbias
 from .._recipe import BLOCK_RECIPES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
+from .._seed import seed_tensor
 from .._vjp import custom_vjp
 from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
@@ -321,6 +322,8 @@ def fp8_linear(
             raise shape_error("fp8_linear", "bias", describe_shape(x.dtype, (weight.shape[0],)), bias)
         check_same_dtype("fp8_linear", "bias", bias, x, "x")
     check_linear_state("fp8_linear", state, recipe)
+    if seed is not None:  # (checked for every recipe: the deterministic ones ignore its value only)
+        seed_tensor(seed, x, "fp8_linear")
     state_leaves = {}
     for role in ("input", "weight", "grad_output") if state is not None else ():
         s = getattr(state, role)
