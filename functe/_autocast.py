@@ -51,30 +51,10 @@ def autocast_as(state: tuple):
         yield
 
 
-def autocast_off():
-    """A context with autocast off on the CPU and CUDA devices.
-
-    (Two plain ``torch.autocast`` contexts: Dynamo traces those, where a generator-based context
-    made the rules of a compiled function's ops fail in backward under autocast.)
-    """
-    return _Off()
-
-
-class _Off:
-    __slots__ = ("_cpu", "_cuda")
-
-    def __enter__(self):
-        self._cpu, self._cuda = torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False)
-        self._cpu.__enter__()
-        self._cuda.__enter__()
-
-    def __exit__(self, *exc):
-        self._cuda.__exit__(*exc)
-        self._cpu.__exit__(*exc)
-
-
 def without_autocast(rule: Callable) -> Callable:
-    """``rule`` run with autocast off (the dtypes a rule computes in are its arguments')."""
+    """``rule`` run with autocast off on the CPU and CUDA (the dtypes a rule computes in are its
+    arguments'). Two plain ``torch.autocast`` contexts, which Dynamo traces: a generator-based
+    context made a compiled function's ops fail in backward under autocast."""
 
     @functools.wraps(rule)
     def run(*args, **kwargs):

@@ -42,7 +42,7 @@ import optree
 import torch
 
 from . import _trace
-from ._autocast import autocast_state
+from ._autocast import autocast_state, without_autocast
 from ._backend import any_tangent
 from ._errors import ArgumentError, TraceError, TransformError, called_as, describe
 from ._kernel import batched, empty_batched, formula_twins
@@ -621,7 +621,9 @@ class _Variant:
         filename = f"<functe.fuse {name} #{next(_plan_numbers)}>"
         linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
         exec(compile(self.source, filename, "exec"), namespace)
-        self.infer: Callable = namespace["infer"]
+        # (every path runs the plan with autocast off, as custom_vjp runs rules: the trace recorded
+        # autocast's casts as equations, and an opaque op must compute the dtype it recorded)
+        self.infer: Callable = without_autocast(namespace["infer"])
         self.with_constants: Callable = namespace["with_constants"]
         backward = namespace["backward"]
         # The generated dispatcher ``bwd`` calls this op under create_graph / torch.func (see _generate).
@@ -641,8 +643,8 @@ class _Variant:
         constant = tuple(not (isinstance(a, Var) and a in self.liveness.needs) for a in program.outputs)
         eager = _eager_function(
             f"fused_{name}_eager",
-            namespace["forward"],
-            backward,
+            without_autocast(namespace["forward"]),
+            without_autocast(backward),
             namespace["_backward_op"],
             program.out_tree,
             constant,

@@ -41,10 +41,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd import forward_ad
 
 from . import _vjp
-from ._autocast import autocast_as, autocast_off, autocast_state
+from ._autocast import autocast_as, autocast_state
 from ._backend import any_tangent, forward_ad_active, use_backend
 from ._errors import ArgumentError, FuncteError, RuleError, TraceError, TransformError, describe
-from ._kernel import batched
 from ._oplist import Eqn, Literal, OpList, Var
 from ._rng import RandomState
 from ._tree import tree_flatten, tree_unflatten
@@ -666,25 +665,27 @@ def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None
     differentiates (a ``grad``/``vjp`` wrapper requiring grad, a ``jvp`` wrapper with a tangent).
     Checked in the forward: when none of the op's own arguments is differentiated the op is no
     autograd node, its backward never runs, and the gradient or tangent came out zero. A tensor an
-    enclosing ``vmap`` batches is refused too when none of the op's arguments (``leaves``) is
-    batched: functorch failed on it ("escaped"); with a batched argument the vmap rule runs ``fn``
-    on it correctly."""
+    enclosing ``vmap`` batches is refused too when that vmap level batches none of the op's
+    arguments (``leaves``): functorch failed on it ("escaped") when no argument was batched, and
+    paired the wrong members when only another level batched them (``vmap(lambda c: vmap(lambda
+    x: op(x))(xs))(cs)`` gave ``xs[j] * cs[j]`` for every ``i``); with an argument batched at its
+    level the vmap rule runs ``fn`` on it correctly."""
     f = torch._C._functorch
-    batched_argument = None  # (computed on the first wrapped capture)
+    argument_levels = None  # (the vmap levels batching an argument: computed on the first wrapped capture)
     for v in _named_values(fn):
         tensors = list(v.parameters()) if isinstance(v, torch.nn.Module) else [v] if isinstance(v, Tensor) else []
         for t in tensors:
             w, top = t, 0
             while f.is_functorch_wrapped_tensor(w):
                 top = max(top, f.maybe_get_level(w))
-                if batched_argument is None:
-                    batched_argument = batched(leaves)
+                if argument_levels is None:
+                    argument_levels = _batched_levels(leaves)
                 if f.is_batchedtensor(w):
-                    if not batched_argument:
+                    if f.maybe_get_level(w) not in argument_levels:
                         raise TransformError(
                             f"functe.{label}: the function uses {describe(t)}, which an enclosing torch.func.vmap "
-                            "batches, without taking it as an argument, and none of its arguments is batched: "
-                            "pass it as an argument"
+                            "batches, without taking it as an argument, and that vmap batches none of its "
+                            "arguments: pass it as an argument"
                         )
                 elif f.is_gradtrackingtensor(w) and _differentiated_at(w):
                     raise ArgumentError(
@@ -693,13 +694,25 @@ def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None
                         "arguments only, so that derivative would be lost: pass it as an argument"
                     )
                 w = f.get_unwrapped(w)
-            if top and batched_argument and top >= _lowest_differentiating_level():
+            if top and argument_levels and top >= _lowest_differentiating_level():
                 raise TransformError(
                     f"functe.{label}: the function uses {describe(t)}, which a torch.func grad/jvp level (or a "
                     "vmap inside one) wraps, without taking it as an argument; the op's vmap rule runs the "
                     "function below that level, where torch cannot unwrap it (an INTERNAL ASSERT): pass it "
                     "as an argument"
                 )
+
+
+def _batched_levels(leaves: list) -> set:
+    """The vmap levels at which any of ``leaves`` is batched."""
+    f = torch._C._functorch
+    levels = set()
+    for t in leaves:
+        while isinstance(t, Tensor) and f.is_functorch_wrapped_tensor(t):
+            if f.is_batchedtensor(t):
+                levels.add(f.maybe_get_level(t))
+            t = f.get_unwrapped(t)
+    return levels
 
 
 def _lowest_differentiating_level() -> float:
@@ -800,7 +813,7 @@ def _add(a, b):
     ops = _ops()
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         # (autocast does not cast torch's +, so neither do its ops here: mixed dtypes are refused)
-        with autocast_off():
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             if a.shape == b.shape:
                 return ops.add_extra_input(a, b)
             if b.dim() == 1 and a.dim() >= 1 and b.shape[0] == a.shape[-1]:
@@ -946,6 +959,11 @@ _TRANSLATIONS: dict[Any, Callable] = {
     torch.nn.functional.linear: _linear,
     T.contiguous: _same,
     T.to: _to,
+    T.float: lambda x: _to(x, torch.float32),
+    T.half: lambda x: _to(x, torch.float16),
+    T.bfloat16: lambda x: _to(x, torch.bfloat16),
+    T.double: lambda x: _to(x, torch.float64),
+    T.type_as: lambda x, other: _to(x, other.dtype),
 }
 
 # Queries that read metadata only: answered by the wrapper tensor itself.

@@ -147,3 +147,27 @@ def test_compiled_functions_under_autocast_match_eager():
             torch.autograd.grad(compiled.float().sum(), leaves), torch.autograd.grad(eager.float().sum(), leaves)
         ):
             assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_dtype_shorthands_are_recorded_as_casts():
+    x, p = _inputs()
+    w = p["w1"]
+    fn = lambda x, w: ops.linear(x.bfloat16(), w.type_as(x.half()).bfloat16()).float().double()
+    printed = str(functe.trace(fn)(x, w))
+    for dtype in ("bf16", "f16", "f32", "f64"):
+        assert f"cast[dtype={dtype}]" in printed, printed
+    fused, unfused = functe.fuse(fn)(x, w), fn(x, w)
+    assert fused.dtype == torch.float64 and torch.equal(fused, unfused)
+
+
+def test_an_opaque_op_in_a_fused_plan_computes_the_dtype_the_trace_recorded():
+    # The plan ran the opaque function under the caller's autocast (bf16) while the trace recorded
+    # f32, and the next op took bf16 + f32 without complaint (a bf16 result, 0.031 off)
+    x, p = _inputs()
+    y = torch.randn(4, 16)
+    fn = lambda x, w, y: functe.opaque(lambda x, w: x @ w.T)(x, w) + y
+    with _autocast():
+        printed = str(functe.trace(fn)(x, p["w1"], y))
+        fused = functe.fuse(fn)(x, p["w1"], y)
+    assert "f32[4,16] = opaque_<lambda>" in printed, printed
+    assert fused.dtype == torch.float32 and torch.equal(fused, x @ p["w1"].T + y)

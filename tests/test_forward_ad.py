@@ -288,3 +288,31 @@ def test_linearize_of_a_fused_program_matches_jvp():
     expected = torch.func.jvp(program, args, tangents)[1]
     for fn in (program, functe.fuse(program)):
         assert_close(torch.func.linearize(fn, *args)[1](*tangents), expected)
+
+
+def test_a_watching_dispatch_mode_keeps_the_fast_paths_bits():
+    # Stepping aside under every dispatch mode (for make_fx) changed the bits under a user's logging
+    # mode or FlopCounterMode (rms_norm f32[512,1024]: 9.5e-7): only tracing modes need the formula
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w = torch.randn(512, 1024), torch.rand(1024) + 0.5
+    expected = ops.rms_norm(x, w)
+    with FlopCounterMode(display=False):
+        assert torch.equal(ops.rms_norm(x, w), expected)
+
+
+def test_a_capture_batched_at_a_level_that_batches_no_argument_is_refused():
+    # vmap(lambda c: vmap(lambda x: opaque(lambda x: x * c)(x))(xs))(cs): the op's vmap rule paired
+    # the inner level's members with the outer capture's (xs[j] * cs[j] for every i), or failed on
+    # a size mismatch when the batch sizes differ
+    xs, cs = torch.arange(3.0, dtype=F64), torch.arange(1.0, 4.0, dtype=F64)
+    expected = cs[:, None] * xs[None, :]
+
+    def nest(op):
+        return torch.func.vmap(lambda c: torch.func.vmap(lambda x: op(lambda x: x * c)(x))(xs))(cs)
+
+    with pytest.raises(functe.TransformError, match=r"that vmap batches none of its arguments"):
+        nest(functe.opaque)
+    assert torch.equal(nest(lambda f: f), expected)
+    fused = lambda f: functe.fuse(lambda x: functe.opaque(f)(x))
+    assert torch.equal(nest(fused), expected)  # (fuse lifts the capture to an input)

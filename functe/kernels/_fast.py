@@ -39,13 +39,14 @@ def eager_cpu(*tensors: Tensor | None) -> bool:
     """Whether a twin may take its CPU fast path for these arguments.
 
     True for plain CPU tensors (not fake, not ``torch.func`` wrappers, no forward-mode tangent) that
-    autograd does not record, outside ``torch.compile`` and outside any dispatch mode.
+    autograd does not record, outside ``torch.compile`` and outside a tracing dispatch mode.
     """
-    # (a dispatch mode records what runs: make_fx, and torch.func.linearize through it, traced the
-    # fast path's out= writes into scratch buffers, and its constant folding moved reads of those
-    # buffers ahead of the writes: tangents of uninitialised memory. The threaded path is not
-    # recorded at all.)
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    # (a tracing dispatch mode records what runs: make_fx, and torch.func.linearize through it,
+    # traced the fast path's out= writes into scratch buffers, and its constant folding moved reads
+    # of those buffers ahead of the writes: tangents of uninitialised memory; the threaded path is
+    # not recorded at all. Other modes, a user's logging or FlopCounterMode, only watch: the fast
+    # path keeps its bits there, as it does under autograd.)
+    if torch.compiler.is_compiling() or (torch._C._len_torch_dispatch_stack() and _tracing_mode()):
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -57,6 +58,13 @@ def eager_cpu(*tensors: Tensor | None) -> bool:
         if torch._C._functorch.is_functorch_wrapped_tensor(t):
             return False
     return not any_tangent(tensors)  # (a dual needs the recorded path: forward AD refuses out=)
+
+
+def _tracing_mode() -> bool:
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+
+
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
 def rows_per_chunk(row_elements: int) -> int:
