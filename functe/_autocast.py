@@ -27,23 +27,29 @@ from collections.abc import Callable
 import torch
 
 DEVICES = ("cpu", "cuda")
+"""The devices functe's ops cast for and turn autocast off on."""
+
+_STATE_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
 
 def autocast_state() -> tuple:
-    """Which devices autocast is on for, and to which dtype."""
+    """Which devices autocast is on for, and to which dtype (``()`` when it is on for none)."""
+    if not torch._C._is_any_autocast_enabled():
+        return ()
     return tuple(
-        (device, torch.get_autocast_dtype(device))
-        for device in ("cpu", "cuda", "xpu", "mps")
-        if torch.is_autocast_enabled(device)
+        (device, torch.get_autocast_dtype(device)) for device in _STATE_DEVICES if torch.is_autocast_enabled(device)
     )
 
 
 @contextlib.contextmanager
 def autocast_as(state: tuple):
     """Autocast inside the block as it was when ``state`` (:func:`autocast_state`) was read."""
+    if not state and not torch._C._is_any_autocast_enabled():
+        yield  # (off then and now: nothing to change)
+        return
     with contextlib.ExitStack() as stack:
         on = dict(state)
-        for device in ("cpu", "cuda", "xpu", "mps"):
+        for device in _STATE_DEVICES:
             if device in on:
                 stack.enter_context(torch.autocast(device, dtype=on[device]))
             elif torch.is_autocast_enabled(device):

@@ -437,8 +437,9 @@ def _tensors(value: Any):
         yield value
 
 
-def _batch_sizes(tensors):
-    """The member count of every vmap level each of ``tensors`` is batched at (its own levels only)."""
+def _vmap_levels(tensors):
+    """``(level, member count)`` of every vmap level each of ``tensors`` is batched at (its own levels
+    only)."""
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
         return  # (functe refuses compiled transforms, docs/design.md: no vmap when compiling)
     functorch = torch._C._functorch
@@ -446,7 +447,7 @@ def _batch_sizes(tensors):
         while isinstance(t, Tensor) and functorch.is_functorch_wrapped_tensor(t):
             inner = functorch.get_unwrapped(t)
             if functorch.is_batchedtensor(t):
-                yield inner.shape[functorch.maybe_get_bdim(t)]
+                yield functorch.maybe_get_level(t), inner.shape[functorch.maybe_get_bdim(t)]
             t = inner
 
 
@@ -455,9 +456,14 @@ def empty_batched(tensors) -> bool:
     on batched tensors of no members, where torch 2.13's batching rules fail on ``x * s`` with a
     0-d ``s``: see :func:`vmap_call`). Only the tensors' own levels count: an unbatched gradient
     taken inside an empty vmap is a real one."""
-    return any(size == 0 for size in _batch_sizes(tensors))
+    return any(size == 0 for _, size in _vmap_levels(tensors))
 
 
 def batched(tensors) -> bool:
     """Whether any of ``tensors`` is vmapped at some level."""
-    return any(True for _ in _batch_sizes(tensors))
+    return any(True for _ in _vmap_levels(tensors))
+
+
+def batched_levels(tensors) -> set[int]:
+    """The vmap levels at which any of ``tensors`` is batched."""
+    return {level for level, _ in _vmap_levels(tensors)}

@@ -44,6 +44,7 @@ from . import _vjp
 from ._autocast import autocast_as, autocast_state
 from ._backend import any_tangent, forward_ad_active, use_backend
 from ._errors import ArgumentError, FuncteError, RuleError, TraceError, TransformError, describe
+from ._kernel import batched_levels
 from ._oplist import Eqn, Literal, OpList, Var
 from ._rng import RandomState
 from ._tree import tree_flatten, tree_unflatten
@@ -679,7 +680,7 @@ def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None
             while f.is_functorch_wrapped_tensor(w):
                 top = max(top, f.maybe_get_level(w))
                 if argument_levels is None:
-                    argument_levels = _batched_levels(leaves)
+                    argument_levels = batched_levels(leaves)
                 if f.is_batchedtensor(w):
                     if f.maybe_get_level(w) not in argument_levels:
                         raise TransformError(
@@ -701,18 +702,6 @@ def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None
                     "function below that level, where torch cannot unwrap it (an INTERNAL ASSERT): pass it "
                     "as an argument"
                 )
-
-
-def _batched_levels(leaves: list) -> set:
-    """The vmap levels at which any of ``leaves`` is batched."""
-    f = torch._C._functorch
-    levels = set()
-    for t in leaves:
-        while isinstance(t, Tensor) and f.is_functorch_wrapped_tensor(t):
-            if f.is_batchedtensor(t):
-                levels.add(f.maybe_get_level(t))
-            t = f.get_unwrapped(t)
-    return levels
 
 
 def _lowest_differentiating_level() -> float:
@@ -919,11 +908,11 @@ def _to(x, *args, **kwargs):
     # (positionally, to(dtype, non_blocking, copy): the second bool is copy)
     flags = [a for a in args if isinstance(a, bool)]
     copy = kwargs.get("copy", False) or (len(flags) > 1 and flags[1])
-    if all(t in (x.dtype, x.device) for t in target) and not copy:
-        return x
     dtypes = [t for t in target if isinstance(t, torch.dtype) and t != x.dtype]
-    if len(dtypes) == 1 and all(t in (x.dtype, x.device, *dtypes) for t in target) and not copy:
-        if x.dtype in _FLOATS and dtypes[0] in _FLOATS:  # (a float dtype change: the cast op)
+    if not copy and all(t in (x.dtype, x.device, *dtypes) for t in target):  # (no device change)
+        if not dtypes:
+            return x
+        if len(dtypes) == 1 and x.dtype in _FLOATS and dtypes[0] in _FLOATS:  # (a float dtype change)
             return _ops()._cast.cast(x, dtype=dtypes[0])
     named = lambda a: torch.device(a) if isinstance(a, str) else a  # (the message shows the device)
     why = " (copy=True makes a copy)" if copy else ""

@@ -19,6 +19,7 @@ import torch
 from ._checkpoint import _key
 from ._errors import ArgumentError, StateError, describe
 from ._fp8_state import hides_tensors, state_from_gradient
+from ._kernel import _with
 from ._tree import NAMESPACE, tree_flatten, tree_unflatten
 
 
@@ -82,11 +83,7 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
     trainable = _trainable_positions(param_leaves, params)
 
     def with_state(p, tensors):
-        full, full_params = list(leaves), list(param_leaves)
-        for i, t in zip(positions, tensors):
-            full[i] = t
-        for i, t in zip(trainable, p):
-            full_params[i] = t
+        full_params, full = _with(param_leaves, trainable, p), _with(leaves, positions, tensors)
         return fn(tree_unflatten(param_spec, full_params), tree_unflatten(spec, full), *args, **kwargs)
 
     for i, leaf in enumerate(leaves):
@@ -109,13 +106,8 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
     trainable_params = [param_leaves[i] for i in trainable]
     grads, value = torch.func.grad_and_value(with_state, argnums=(0, 1), has_aux=has_aux)(trainable_params, tensors)
     trainable_grads, state_grads = grads
-    full = list(leaves)
-    for i, g in zip(positions, state_grads):
-        full[i] = g
-    next_state = state_from_gradient(state, tree_unflatten(spec, full), check=check)
-    param_grads: list = [None] * len(param_leaves)
-    for i, g in zip(trainable, trainable_grads):
-        param_grads[i] = g
+    next_state = state_from_gradient(state, tree_unflatten(spec, _with(leaves, positions, state_grads)), check=check)
+    param_grads = _with([None] * len(param_leaves), trainable, trainable_grads)
     return value, tree_unflatten(param_spec, param_grads), next_state
 
 

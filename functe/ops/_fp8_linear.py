@@ -323,7 +323,7 @@ def fp8_linear(
         check_same_dtype("fp8_linear", "bias", bias, x, "x")
     check_linear_state("fp8_linear", state, recipe)
     if seed is not None:  # (checked for every recipe: the deterministic ones ignore its value only)
-        seed_tensor(seed, x, "fp8_linear")
+        seed = seed_tensor(seed, x, "fp8_linear")
     state_leaves = {}
     for role in ("input", "weight", "grad_output") if state is not None else ():
         s = getattr(state, role)

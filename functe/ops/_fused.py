@@ -228,10 +228,8 @@ def _backward_linear_scale_bwd(res, dy, *, scale, needs_input_grad=(True, True, 
         return _linear_bwd((x, weight, has_bias), dh, needs_input_grad=needs_input_grad)
     if triton_gemm(dy):
         dx = GEMM_DGRAD(dy, weight, None, scale)
-        if not has_bias:
-            return dx, GEMM_WGRAD(dy, x, None, scale), None
-        if dy.dtype == torch.float16:  # (see _scaled_bias_grad)
-            return dx, GEMM_WGRAD(dy, x, None, scale), _scaled_bias_grad(dy, scale)
+        if not has_bias or dy.dtype == torch.float16:  # (fp16: the bias gradient of _scaled_bias_grad)
+            return dx, GEMM_WGRAD(dy, x, None, scale), _scaled_bias_grad(dy, scale) if has_bias else None
         dweight, dbias = GEMM_WGRAD_DBIAS(dy, x, None, scale)  # dbias comes unscaled
         return dx, dweight, AXPBY(dbias, None, scale, 0.0)
     if scale == 0.0:
