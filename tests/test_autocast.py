@@ -171,3 +171,14 @@ def test_an_opaque_op_in_a_fused_plan_computes_the_dtype_the_trace_recorded():
         fused = functe.fuse(fn)(x, p["w1"], y)
     assert "f32[4,16] = opaque_<lambda>" in printed, printed
     assert fused.dtype == torch.float32 and torch.equal(fused, x @ p["w1"].T + y)
+
+
+def test_the_cast_op_under_every_torch_func_transform():
+    from helpers import check_transforms
+
+    from functe.ops._cast import cast
+
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    check_transforms(
+        lambda x: cast(cast(x, dtype=torch.float32), dtype=torch.float64), lambda x: x.float().double(), [x]
+    )
