@@ -29,6 +29,18 @@ import torch
 DEVICES = ("cpu", "cuda")
 """The devices functe's ops cast for and turn autocast off on."""
 
+CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes autocast casts (fp64 and the rest are left alone)."""
+
+
+def casts_to_one_dtype(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether autocast, on for their device, casts both ``a`` and ``b`` to its one dtype."""
+    if not torch._C._is_any_autocast_enabled():
+        return False
+    device = a.device.type
+    return device in DEVICES and torch.is_autocast_enabled(device) and a.dtype in CASTABLE and b.dtype in CASTABLE
+
+
 _STATE_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
 

@@ -145,8 +145,11 @@ def donatable(target: torch.Tensor, others) -> bool:
     counts), nor does any other live tensor: a view of it or its base (the write would show through
     ``make_extra_output``'s other output, or a caller's tensor that ``identity`` or ``reshape``
     viewed; ``_storage_Use_Count`` counts the storage's holders, 2 for a tensor alone: itself and
-    the storage object asked)."""
+    the storage object asked). An inference tensor outside ``torch.inference_mode`` is not written
+    either (torch forbids it: "Inplace update to inference tensor outside InferenceMode")."""
     if records((target, *others)) or not target.is_contiguous():
+        return False
+    if target.is_inference() and not torch.is_inference_mode_enabled():
         return False
     storage = target.untyped_storage()
     if torch._C._storage_Use_Count(storage._cdata) > 2:
@@ -156,3 +159,33 @@ def donatable(target: torch.Tensor, others) -> bool:
 
 _unpack_dual = torch._VF._unpack_dual
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # (torch.func's own duals: not read here)
+
+
+def unaliased_outputs(outputs: list, inputs) -> tuple[list, dict[int, torch.Tensor]]:
+    """A Function's ``outputs`` with each view of a buffer the op made (a kernel's ``y.view(shape)``)
+    replaced by its ``detach()``; also ``{id(view): replacement}``.
+
+    ``detach()`` keeps the memory and the version counter, but autograd no longer sees a view, and
+    autograd refuses an in-place op on a view a custom Function returned ("Output 0 of dropout is a
+    view and is being modified inplace") where torch's own ops allow ``y.mul_(2)``. Left as views:
+    views of an input (an in-place write must reach the input's history, so autograd refusing it
+    is right), of another output, and of a buffer two outputs share (writing one would change the
+    other behind autograd's back). A residual saved from the same buffer still catches a write
+    through the shared version counter ("modified by an inplace operation"), as torch's ops do.
+    """
+    if torch.compiler.is_compiling():  # (Dynamo cannot trace _is_view; compiled graphs own their outputs)
+        return outputs, {}
+    views = [o for o in outputs if isinstance(o, torch.Tensor) and o._is_view()]
+    if not views:
+        return outputs, {}
+    taken = {id(a._base if a._is_view() else a) for a in inputs if isinstance(a, torch.Tensor)}
+    taken.update(id(o) for o in outputs if isinstance(o, torch.Tensor) and not o._is_view())
+    bases = [id(v._base) for v in views]
+    swapped = {}
+    for view, base in zip(views, bases):
+        # (detach() would drop a tangent: a forward rule run on duals, or under torch.func.jvp)
+        if base not in taken and bases.count(base) == 1 and not _is_wrapped(view) and not any_tangent((view,)):
+            swapped[id(view)] = view.detach()
+    if not swapped:
+        return outputs, swapped
+    return [swapped.get(id(o), o) for o in outputs], swapped

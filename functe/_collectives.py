@@ -13,8 +13,8 @@ Measured on torch 2.13 (gloo, CPU), and why this module is more than a call:
   wrapper goes through :class:`_Collective`, an ``autograd.Function`` whose ``vmap`` rule moves the
   vmapped dimension in front and runs one collective over the whole batch, whose ``jvp`` applies
   the collective to the tangent (collectives are linear), and whose ``backward`` is the adjoint
-  collective (all-gather <-> reduce-scatter, all-reduce -> all-reduce), so second derivatives
-  through a backward rule that communicates are exact.
+  collective, so second derivatives through a backward rule that communicates are exact. The
+  adjoint depends on what the ranks' values mean (below, "Replicated values").
 * A **shape mismatch** between ranks is not an error in gloo: an all-gather of ``f32[2,3]`` on one
   rank and ``f32[3,3]`` on another aborted the process (``gloo::EnforceNotMet``, SIGABRT); NCCL
   hangs or reads garbage. Unless checks are off (:func:`set_collective_checks`,
@@ -25,6 +25,19 @@ Measured on torch 2.13 (gloo, CPU), and why this module is more than a call:
 * A rank that fails before a collective leaves the others waiting: the wait is bounded by the
   process group's ``timeout`` (gloo raises ``RuntimeError`` after it; a peer process that exits
   closes its connections and the others fail at once). functe adds no unbounded wait of its own.
+
+**Replicated values.** A tensor-parallel program holds two kinds of values: *rank-local* ones
+(a weight shard, the GEMM output with it; each rank's cotangent is its own) and *replicated* ones
+(the same value on every rank, computed by every rank alike: a column-parallel linear's input,
+the all-reduced output of a row-parallel one; every rank receives the same, complete cotangent).
+An all-gather feeding rank-local work has the reduce-scatter as adjoint, and an all-reduce whose
+ranks' outputs feed different losses the all-reduce; but an all-reduce *into* a replicated value
+(``replicated=True``) has the identity as adjoint, an all-gather into one this rank's slice, and a
+replicated value entering rank-local work (``"share"``: the identity, Megatron's copy-to-region)
+has the all-reduce into a replicated value as adjoint, which sums the ranks' partial cotangents.
+Differentiating a linear's backward rule (a gradient penalty, a Hessian-vector product) needs
+these pairs: with the plain all-reduce as the adjoint of a column-parallel dx, its gradients came
+out ``P`` times too large.
 """
 
 from __future__ import annotations
@@ -44,6 +57,8 @@ from ._errors import ArgumentError, DistributedError, DTypeError, ShapeError, ch
 Tensor = torch.Tensor
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+LOCAL_KINDS = ("share", "slice")
+"""Steps without communication whose adjoints communicate (see "Replicated values" above)."""
 REDUCTIONS = ("sum", "max", "min")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -295,32 +310,51 @@ def _validate(kind: str, x: Tensor, group: Group, dim: int, who: str) -> None:
         raise DTypeError(f"functe.{who}: float8 tensors can be gathered but not reduced, got {describe(x)}")
 
 
+def _local(kind: str, x: Tensor, group: Group, dim: int) -> Tensor:
+    """The steps without communication: ``share`` (the identity) and ``slice`` (this rank's part)."""
+    if kind == "share":
+        return x
+    size = x.shape[dim] // group.size
+    rank = 0 if x.device.type == "meta" else dist.get_rank(dist.distributed_c10d._resolve_process_group(group.name))
+    return x.narrow(dim, rank * size, size)
+
+
 def _execute(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> Tensor:
+    if kind in LOCAL_KINDS:
+        return _local(kind, x, group, dim)
     if not _skip_check(x):
         _check(kind, x, group, dim, op, who)
     _validate(kind, x, group, dim, who)
     return _raw(kind, x, group, dim, op)
 
 
-def collective(kind: str, x: Tensor, group: Group, *, dim: int = 0, op: str = "sum", who: str = "") -> Tensor:
+def collective(
+    kind: str, x: Tensor, group: Group, *, dim: int = 0, op: str = "sum", who: str = "", replicated: bool = False
+) -> Tensor:
     """Run collective ``kind`` on ``x`` over ``group`` and return the (waited) result.
 
     * ``all_gather``: concatenate every rank's ``x`` along ``dim`` (rank order);
     * ``reduce_scatter``: reduce (``op``) over ranks, then keep this rank's slice along ``dim``;
-    * ``all_reduce``: reduce (``op``: ``"sum"``, ``"max"``, ``"min"``) over ranks.
+    * ``all_reduce``: reduce (``op``: ``"sum"``, ``"max"``, ``"min"``) over ranks;
+    * ``share``: ``x`` itself, a replicated value entering rank-local work (no communication);
+    * ``slice``: this rank's slice along ``dim`` of a replicated ``x`` (no communication).
 
-    ``who`` names the op in error messages. Differentiable (and batchable) through
-    :class:`_Collective` when ``x`` requires grad or is a ``torch.func`` wrapper.
+    ``replicated`` (sum ``all_reduce``, ``all_gather``): the result is a replicated value, which
+    sets the adjoint (the module's "Replicated values"). ``who`` names the op in error messages.
+    Differentiable (and batchable) through :class:`_Collective` when ``x`` requires grad or is a
+    ``torch.func`` wrapper; without one of those (any first-order call), ``share`` costs nothing.
     """
     if group.size == 1:
         return x
     if torch.compiler.is_compiling():
         # Dynamo traces the functional op into the graph; a Function nested in the op Function
         # being traced is not supported, and compiled code is first-order (docs/design.md).
+        if kind in LOCAL_KINDS:
+            return _local(kind, x, group, dim)
         _validate(kind, x, group, dim, who)
         return _raw(kind, x, group, dim, op)
     if records((x,)):
-        return _Collective.apply(x, kind, group, dim, op, who)
+        return _Collective.apply(x, kind, group, dim, op, who, replicated)
     return _execute(kind, x, group, dim, op, who)
 
 
@@ -330,47 +364,56 @@ def _extremum_mask(x: Tensor, y: Tensor, group: Group, who: str) -> Tensor:
     return hits / collective("all_reduce", hits, group, op="sum", who=who)
 
 
+# (kind, replicated) -> the adjoint's (kind, replicated), for sum reductions
+_ADJOINT = {
+    ("all_gather", False): ("reduce_scatter", False),
+    ("reduce_scatter", False): ("all_gather", False),
+    ("all_reduce", False): ("all_reduce", False),  # each rank's output feeds its own loss
+    ("all_reduce", True): ("share", False),
+    ("share", False): ("all_reduce", True),
+    ("all_gather", True): ("slice", False),
+    ("slice", False): ("all_gather", True),
+}
+
+
 class _Collective(torch.autograd.Function):
     """A collective as an ``autograd.Function``: its adjoint as backward, itself as jvp, a real vmap rule."""
 
     @staticmethod
-    def forward(x, kind, group, dim, op, who):
+    def forward(x, kind, group, dim, op, who, replicated):
         return _execute(kind, x, group, dim, op, who)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, kind, group, dim, op, who = inputs
-        ctx.args = (kind, group, dim, op, who)
+        x, kind, group, dim, op, who, replicated = inputs
+        ctx.args = (kind, group, dim, op, who, replicated)
         if op != "sum":
             ctx.save_for_backward(x, output)
             ctx.save_for_forward(x, output)
 
     @staticmethod
     def backward(ctx, dy):
-        kind, group, dim, op, who = ctx.args
+        kind, group, dim, op, who, replicated = ctx.args
         if op != "sum":  # max/min all-reduce: the gradient goes to the ranks holding the extremum
             x, y = ctx.saved_tensors
             dx = collective("all_reduce", dy, group, op="sum", who=who) * _extremum_mask(x, y, group, who)
-        elif kind == "all_gather":
-            dx = collective("reduce_scatter", dy, group, dim=dim, op="sum", who=who)
-        elif kind == "reduce_scatter":
-            dx = collective("all_gather", dy, group, dim=dim, who=who)
-        else:  # each rank's input reaches every rank's output
-            dx = collective("all_reduce", dy, group, op="sum", who=who)
-        return dx, None, None, None, None, None
+        else:
+            adjoint, adjoint_replicated = _ADJOINT[kind, replicated]
+            dx = collective(adjoint, dy, group, dim=dim, who=who, replicated=adjoint_replicated)
+        return dx, None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, dx, *_):
-        kind, group, dim, op, who = ctx.args
+        kind, group, dim, op, who, replicated = ctx.args
         if op != "sum":
             x, y = ctx.saved_tensors
             return collective("all_reduce", dx * _extremum_mask(x, y, group, who), group, op="sum", who=who)
-        return collective(kind, dx, group, dim=dim, op=op, who=who)
+        return collective(kind, dx, group, dim=dim, op=op, who=who, replicated=replicated)
 
     @staticmethod
-    def vmap(info, in_dims, x, kind, group, dim, op, who):
+    def vmap(info, in_dims, x, kind, group, dim, op, who, replicated):
         if in_dims[0] is None:
-            return collective(kind, x, group, dim=dim, op=op, who=who), None
+            return collective(kind, x, group, dim=dim, op=op, who=who, replicated=replicated), None
         # One collective for the whole batch: the vmapped dim goes in front, the op's dim shifts by one.
         batched = x.movedim(in_dims[0], 0)
-        return collective(kind, batched, group, dim=dim + 1, op=op, who=who), 0
+        return collective(kind, batched, group, dim=dim + 1, op=op, who=who, replicated=replicated), 0

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ._autocast import casts_to_one_dtype
+
 _DTYPE_SHORT = {
     torch.float64: "f64",
     torch.float32: "f32",
@@ -142,9 +144,15 @@ def check_tensor(op: str, arg: str, value: Any, *, dtypes=FLOAT_DTYPES) -> torch
     return value
 
 
-def check_same_dtype(op: str, arg: str, value: torch.Tensor, like: torch.Tensor, like_arg: str) -> None:
-    """Require ``value`` to have the dtype of ``like`` (functe never promotes silently)."""
-    if value.dtype != like.dtype:
+def check_same_dtype(
+    op: str, arg: str, value: torch.Tensor, like: torch.Tensor, like_arg: str, *, autocast: bool = False
+) -> None:
+    """Require ``value`` to have the dtype of ``like`` (functe never promotes silently).
+
+    ``autocast``: the op casts both with ``autocast_inputs`` after its checks (which see what the
+    caller passed), so dtypes that autocast makes one are fine.
+    """
+    if value.dtype != like.dtype and not (autocast and casts_to_one_dtype(value, like)):
         raise dtype_error(op, arg, f"dtype {dtype_name(like.dtype)} to match '{like_arg}' {describe(like)}", value)
 
 

@@ -43,7 +43,7 @@ import torch
 
 from . import _trace
 from ._autocast import autocast_state, without_autocast
-from ._backend import any_tangent
+from ._backend import any_tangent, unaliased_outputs
 from ._errors import ArgumentError, TraceError, TransformError, called_as, describe
 from ._kernel import batched, empty_batched, formula_twins
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
@@ -726,8 +726,10 @@ def _eager_function(
         if unchecked[0]:
             ctx.in_meta = [(t.shape, t.dtype) for t in tensors]
         out, res = forward(*tensors)
-        out_leaves = [out] if single else tree_leaves(out)
+        out_leaves, swapped = unaliased_outputs([out] if single else tree_leaves(out), tensors)
         res_leaves, res_tree = tree_flatten(res)
+        if swapped:  # (a residual that is an output is saved as the output returned)
+            res_leaves = [swapped.get(id(r), r) for r in res_leaves]
         layout = [_SAVED if isinstance(r, Tensor) else r for r in res_leaves]
         saved = [r for r in res_leaves if isinstance(r, Tensor)]
         known = {id(t) for t in (*tensors, *out_leaves)}

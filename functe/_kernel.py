@@ -46,7 +46,7 @@ from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad as _forward_ad
 
-from ._backend import PLAIN_TENSOR_TYPES, any_tangent, forward_ad_active, records, runs_triton
+from ._backend import PLAIN_TENSOR_TYPES, any_tangent, forward_ad_active, records, runs_triton, unaliased_outputs
 from ._errors import TransformError
 
 Tensor = torch.Tensor
@@ -172,10 +172,10 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     def forward(*args):
         out = run(*args)
         # A Function must not hand back one of its inputs (a twin may return one unchanged): a view
-        # keeps the result functional.
+        # keeps the result functional. A view of the kernel's own buffer is not left a view.
         if isinstance(out, tuple):
-            return tuple(_fresh(o, args) for o in out)
-        return _fresh(out, args)
+            return tuple(unaliased_outputs([_fresh(o, args) for o in out], args)[0])
+        return unaliased_outputs([_fresh(out, args)], args)[0][0]
 
     def setup_context(ctx, inputs, output):
         outs = output if isinstance(output, tuple) else (output,)

@@ -103,11 +103,13 @@ def linear_parallelism(
     amax_group: object = None,
     *,
     fp8: bool = False,
+    unsupported_recipe: str | None = None,
 ) -> LinearParallelism | None:
     """Validate and canonicalise a linear's parallel keyword arguments (``None``: nothing to do).
 
     As TE, a group of one rank turns tensor parallelism off. ``amax_group=None`` means the
-    tensor-parallel group (FP8 only).
+    tensor-parallel group (FP8 only). ``unsupported_recipe`` names a recipe without tensor
+    parallelism: refused before any rank can fail a local check and wait for the others.
     """
     if mode not in MODES:
         raise ArgumentError(
@@ -123,6 +125,12 @@ def linear_parallelism(
     amax = resolve_group(op, amax_group, "amax_group") if amax_group is not None else tp
     if tp.size == 1:
         mode, sequence_parallel = None, False
+    if mode is not None and unsupported_recipe is not None:
+        # (every rank raises this one together: it depends on the arguments, not on local shapes)
+        raise ArgumentError(
+            f"functe.{op}: tensor parallelism is not implemented for {unsupported_recipe} "
+            "(docs/block_scaling.md); use it without tensor_parallel_mode"
+        )
     if sequence_parallel and (problem := _sequence_parallel_problem(op, x, mode, tp)):
         # Ranks whose x is fine are already waiting in this linear's first collective (an all-gather,
         # a reduce-scatter, or current scaling's amax reduction): meet them there.
@@ -162,7 +170,8 @@ def reduce_output(op: str, y: Tensor, bias: Tensor | None, p: LinearParallelism 
     if p is None or p.mode != "row":
         return y
     kind = "reduce_scatter" if p.sequence_parallel else "all_reduce"
-    y = collective(kind, y, p.group, who=f"{op}: {kind.replace('_', '-')} of the output (row)")
+    who = f"{op}: {kind.replace('_', '-')} of the output (row)"
+    y = collective(kind, y, p.group, who=who, replicated=not p.sequence_parallel)
     return y if bias is None else ADD_BIAS(y, bias)
 
 
@@ -172,10 +181,10 @@ def gemm_bias(bias: Tensor | None, p: LinearParallelism | None) -> Tensor | None
 
 
 def gather_grad_output(op: str, dy: Tensor, p: LinearParallelism | None) -> Tensor:
-    """Row + SP: the all-gathered output gradient (along dim 0); otherwise ``dy``."""
+    """Row + SP: the all-gathered output gradient (along dim 0), a replicated value; otherwise ``dy``."""
     if p is None or not p.gathers_grad_output:
         return dy
-    return collective("all_gather", dy, p.group, who=f"{op}: all-gather of dy (row+sp, backward)")
+    return collective("all_gather", dy, p.group, who=f"{op}: all-gather of dy (row+sp, backward)", replicated=True)
 
 
 def reduce_grad_input(op: str, dx: Tensor, p: LinearParallelism | None) -> Tensor:
@@ -183,7 +192,26 @@ def reduce_grad_input(op: str, dx: Tensor, p: LinearParallelism | None) -> Tenso
     if p is None or p.mode != "column":
         return dx
     kind = "reduce_scatter" if p.sequence_parallel else "all_reduce"
-    return collective(kind, dx, p.group, who=f"{op}: {kind.replace('_', '-')} of dx (column, backward)")
+    # (without SP, x and so dx are replicated: the all-reduce's adjoint is the identity)
+    who = f"{op}: {kind.replace('_', '-')} of dx (column, backward)"
+    return collective(kind, dx, p.group, who=who, replicated=not p.sequence_parallel)
+
+
+def share_replicated(op: str, x: Tensor, dy: Tensor, p: LinearParallelism | None) -> tuple[Tensor, Tensor]:
+    """``x`` and ``dy`` as a backward rule's GEMMs with this rank's weight shard read them.
+
+    The identity on values. A replicated one (column: ``x``; row: ``dy``, gathered under SP) enters
+    rank-local work through ``share``, whose adjoint sums the ranks' partial cotangents, so
+    differentiating the backward rule again (a gradient penalty) is exact; the row-parallel bias
+    gradient reads the replicated ``dy`` itself. First-order calls cost nothing.
+    """
+    if p is None:
+        return x, dy
+    if p.mode == "column" and not p.sequence_parallel:
+        return collective("share", x, p.group, who=f"{op}: x in the wgrad (column, backward)"), dy
+    if p.mode == "row":
+        return x, collective("share", dy, p.group, who=f"{op}: dy in the GEMMs (row, backward)")
+    return x, dy
 
 
 def gathered_shape(shape: torch.Size, p: LinearParallelism | None) -> tuple[int, ...]:

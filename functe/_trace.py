@@ -611,8 +611,11 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
             if forward_ad_active():
                 _refuse_captured_tangents(fn, label)
             rng = RandomState(args)  # (before fn draws: the backward replays the same draws)
+            versions = [a._version if isinstance(a, Tensor) else None for a in args]
+            out = fn(*args, **static)
+            _refuse_written_arguments(label, args, versions)
             # (and under the forward's autocast: the backward may run outside it)
-            return fn(*args, **static), (args, rng, autocast_state())
+            return out, (args, rng, autocast_state())
 
         def bwd(res, ct, **static):
             args, rng, amp = res
@@ -627,6 +630,22 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         # (before the op's Function: inside its forward a torch.func wrapper shows no tangent)
         op.precheck = functools.partial(_refuse_captured_transformed, fn, label)
     return op
+
+
+def _refuse_written_arguments(label: str, args: tuple, versions: list) -> None:
+    """Raise if ``fn`` wrote into one of its arguments in place (``nn.SiLU(inplace=True)``): the
+    backward recomputes ``fn`` from the arguments, which no longer hold the forward's inputs, and
+    an op that saved one for its own backward would differentiate the written values (a fused
+    plan saves residuals after the whole forward, so autograd's version check could not see it:
+    silently wrong weight gradients). Writes into captured state (a BatchNorm's running
+    statistics) are not arguments and stay allowed."""
+    for i, (a, before) in enumerate(zip(args, versions)):
+        if before is not None and a._version != before:
+            raise ArgumentError(
+                f"functe.{label}: the function wrote into its argument {i} ({describe(a)}) in place; an "
+                "opaque function must leave its arguments unchanged (its backward recomputes it from them): "
+                "compute out of place (e.g. nn.SiLU() instead of nn.SiLU(inplace=True))"
+            )
 
 
 def _refuse_captured_grads(fn: Callable, label: str) -> None:

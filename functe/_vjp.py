@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from ._autocast import without_autocast
-from ._backend import any_tangent
+from ._backend import any_tangent, unaliased_outputs
 from ._errors import ArgumentError, RuleError, TransformError, called_as, describe, describe_shape
 from ._kernel import (
     _with,
@@ -170,6 +170,8 @@ def _run_forward(
             guarded = guarded or _index_of(r, constants) < 0
     if new:
         new.append(higher_order_anchor(new[0]))
+    # (after the plan: residuals that are outputs are saved as the outputs returned, by position)
+    out_leaves = unaliased_outputs(out_leaves, leaves)[0]
     layout = _Layout(out_tree, len(out_leaves), res_tree, tuple(plan), len(new), guarded)
     return out_leaves, new, layout
 

@@ -279,6 +279,46 @@ def parallel_linear_vmap() -> None:
         assert_close(torch.func.vmap(pullback)(xl, dys), per, msg=f"vmap(vjp) {mode} {sp}")
 
 
+def _gradient_penalty(x, w, b, c, *, parallel=None, replicated=(False, False, False)):
+    """‖dx‖² + ‖dW‖² + ‖db‖² of loss = Σ c·tanh(x Wᵀ + b), summed once over the global gradients:
+    the rank-local parts through ``ops.all_reduce``, the ``replicated`` ones as they are."""
+    loss = (c * torch.tanh(ops.linear(x, w, b, **(parallel or {})))).sum()
+    grads = torch.autograd.grad(loss, (x, w, b), create_graph=True)
+    local = sum((g * g).sum() for g, rep in zip(grads, replicated) if not rep)
+    shared = sum((g * g).sum() for g, rep in zip(grads, replicated) if rep)
+    return (local if parallel is None else ops.all_reduce(local)) + shared
+
+
+def parallel_linear_second_derivatives() -> None:
+    """A gradient penalty through every tensor-parallel linear equals one process's (float64).
+
+    loss = Σ c·tanh(x Wᵀ + b) (a per-rank share when y is split, the replicated loss when it is
+    not: either way the gradients are those of the global loss); pen = ‖dx‖² + ‖dW‖² + ‖db‖²
+    summed once over the global gradients (rank-local parts through ``ops.all_reduce``); then
+    d pen / d(x, W, b) is this rank's slice of the single-process one. Until the backward rules
+    marked replicated values, column dx came out P times too large and row gradients wrong.
+    """
+    for i, (mode, sp, shape, n_out) in enumerate(LINEAR_CASES[:4]):
+        x = seeded(shape, F64, seed=700 + i)
+        w, b = seeded((n_out, shape[-1]), F64, seed=710 + i, scale=0.3), seeded((n_out,), F64, seed=720 + i)
+        c = seeded((*shape[:-1], n_out), F64, seed=730 + i)
+
+        full = [t.clone().requires_grad_() for t in (x, w, b)]
+        pen_ref = _gradient_penalty(*full, c)
+        refs = torch.autograd.grad(pen_ref, full)
+        xl, wl, bl, cl, _ = _shards(mode, sp, x, w, b, c, c)
+        args = [t.clone().requires_grad_() for t in (xl, wl, bl)]
+        parallel = {"tensor_parallel_mode": mode, "sequence_parallel": sp}
+        # replicated gradients (the same full value on every rank): column dx without SP, row db
+        replicated = (mode == "column" and not sp, False, mode == "row")
+        pen = _gradient_penalty(*args, cl, parallel=parallel, replicated=replicated)
+        what = f"{mode}{'+sp' if sp else ''} {tuple(shape)}"
+        assert_close(pen, pen_ref, msg=f"{what}: penalty")
+        slicers = [functools.partial(_grads_of_input, mode, sp), _weight_part(mode), _bias_part(mode)]
+        for name, g, ref, cut in zip(("x", "W", "b"), torch.autograd.grad(pen, args), refs, slicers):
+            assert_close(g, cut(ref), msg=f"{what}: d penalty / d{name}")
+
+
 # ----------------------------------------------------------------------------- FP8
 
 
@@ -535,6 +575,17 @@ def argument_error_on_one_rank() -> list[str]:
         lambda: ops.all_reduce(torch.ones(2) if r == 0 else torch.ones(2, dtype=torch.int32)),
     ]
     return _errors_of(cases)
+
+
+def block_recipe_refusal_on_every_rank() -> tuple[str, list[float]]:
+    """A block recipe with tensor parallelism, rank 1's x also failing sequence parallelism's check:
+    every rank raises the refusal (rank 1 used to meet a check the others never joined, and the next
+    collective failed), then the next collective works."""
+    x = torch.ones(4, 128) if rank() == 0 else torch.ones(128)
+    recipe = functe.Float8BlockScaling()
+    sp = {"tensor_parallel_mode": "column", "sequence_parallel": True}
+    (error,) = _errors_of([lambda: ops.fp8_linear(x, torch.ones(64, 128), None, None, recipe=recipe, **sp)])
+    return error, ops.all_reduce(torch.ones(3)).tolist()
 
 
 def gradient_reduction_meets_other_ranks() -> list[str]:

@@ -3,6 +3,8 @@ in the parameters' dtype, and fused plans see the same dtypes (functe/_autocast.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -182,3 +184,40 @@ def test_the_cast_op_under_every_torch_func_transform():
     check_transforms(
         lambda x: cast(cast(x, dtype=torch.float32), dtype=torch.float64), lambda x: x.float().double(), [x]
     )
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: ops.linear(torch.ones(4, 8), torch.ones(3, 7)), "argument 'weight' expected f32[?,8], got f32[3,7]"),
+        (lambda: ops.linear(torch.ones(4, 8), torch.ones(3, 8), torch.ones(4)), "'bias' expected f32[3], got f32[4]"),
+        (lambda: ops.bias(torch.ones(4, 8), torch.ones(7)), "argument 'b' expected f32[8], got f32[7]"),
+        (lambda: ops.add_extra_input(torch.ones(4, 8), torch.ones(4, 7)), "'extra' expected f32[4,8], got f32[4,7]"),
+        (lambda: ops.layer_norm(torch.ones(4, 8), torch.ones(7), torch.ones(8)), "expected f32[8], got f32[7]"),
+        (lambda: ops.rms_norm(torch.ones(4, 8), torch.ones(7)), "'weight' expected f32[8], got f32[7]"),
+        (lambda: ops.swiglu(torch.ones(4, 7)), "argument 'x' expected f32[...,2H], got f32[4,7]"),
+        (lambda: ops.l2_normalize(torch.ones(4, 0)), "got f32[4,0]"),
+        (
+            lambda: ops.fp8_linear(torch.ones(4, 16), torch.ones(3, 8), None, None, recipe=CurrentScaling()),
+            "argument 'weight' expected f32[?,16], got f32[3,8]",
+        ),
+        (
+            lambda: ops.linear(torch.ones(4, 8), torch.ones(3, 8, dtype=torch.float64)),
+            "argument 'weight' expected dtype f32 to match 'x' f32[4,8], got f64[3,8]",
+        ),
+    ],
+)
+def test_errors_under_autocast_name_the_dtypes_the_caller_passed(call, message):
+    # (the checks ran on the arguments cast to bf16, and said "got bf16[3,7]" of an f32 weight)
+    with _autocast(), pytest.raises(functe.FuncteError, match=re.escape(message)):
+        call()
+
+
+def test_mixed_parameter_dtypes_that_autocast_unifies_are_accepted():
+    x, w, b = torch.ones(4, 8, dtype=BF16), torch.ones(3, 8), torch.ones(3, dtype=F16)
+    with _autocast():
+        assert ops.linear(x, w, b).dtype == BF16
+        assert ops.layer_norm(torch.ones(2, 3), torch.ones(3, dtype=BF16), torch.zeros(3, dtype=F16)).dtype == BF16
+        assert ops.scaled_swiglu(torch.ones(2, 4), torch.ones(2, dtype=BF16)).dtype == BF16
+    with pytest.raises(functe.DTypeError, match="'weight' expected dtype bf16 to match 'x' bf16"):
+        ops.linear(x, w, b)  # without autocast nothing is promoted

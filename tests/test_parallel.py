@@ -210,6 +210,11 @@ def test_parallel_linear_equals_one_process(pool, dtype, backend):
 
 
 @pytest.mark.distributed
+def test_parallel_linear_second_derivatives_equal_one_process(pool):
+    pool.run(checks.parallel_linear_second_derivatives)
+
+
+@pytest.mark.distributed
 def test_parallel_linear_under_vmap(pool):
     pool.run(checks.parallel_linear_vmap)
 
@@ -295,6 +300,13 @@ def test_a_local_argument_error_on_one_rank_raises_on_every_rank(pool):
     assert all(m.startswith("DistributedError: functe.") and RAISED in m for m in ok), ok
     assert "amax reduction" in ok[3]
     assert [m.split(":")[1] for m in ok[4:]] == [" functe.all_gather", " functe.reduce_scatter", " functe.all_reduce"]
+
+
+@pytest.mark.distributed
+def test_a_block_recipe_with_tensor_parallelism_is_refused_on_every_rank(pool):
+    for error, after in pool.run(checks.block_recipe_refusal_on_every_rank, timeout=60):
+        assert error.startswith("ArgumentError: functe.fp8_linear: tensor parallelism is not implemented for Float8Bl")
+        assert after == [2.0, 2.0, 2.0]
 
 
 @pytest.mark.distributed

@@ -61,7 +61,9 @@ _activation = custom_vjp("activation", _fwd, _bwd)
 
 def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: dict | None) -> Tensor:
     """Validate and run activation ``name`` (``clamp``: the clamped-SwiGLU parameters or None)."""
-    (x,) = autocast_inputs(x)  # (not s: the row scales keep their dtype, fp32 beside any x)
+    # The checks name what the caller passed; x_cast is x in the dtype it computes in (autocast's;
+    # not s: the row scales keep their dtype, fp32 beside any x).
+    (x_cast,) = autocast_inputs(x)
     check_tensor(op, "x", x)
     gated = is_gated(name)
     if gated and (x.dim() == 0 or x.shape[-1] < 2 or x.shape[-1] % 2):
@@ -93,15 +95,15 @@ def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: d
         if s.shape != x.shape[:-1]:
             expected = describe_shape(s.dtype, tuple(x.shape[:-1]))
             raise shape_error(op, "s", expected, s, "one scale per row of x: x.shape[:-1]")
-        if s.dtype not in (x.dtype, torch.float32):
-            raise dtype_error(op, "s", f"dtype of 'x' {describe(x)} or f32", s)
+        if s.dtype not in (x_cast.dtype, torch.float32):
+            raise dtype_error(op, "s", f"dtype of 'x' {describe(x_cast)} or f32", s)
         check_same_device(op, {"x": x, "s": s})
     if clamp is None:
-        return _activation(x, s, name=name, interleave=k, limit=0.0, alpha=0.0, offset=0.0)
+        return _activation(x_cast, s, name=name, interleave=k, limit=0.0, alpha=0.0, offset=0.0)
     limit = check_number(op, "limit", clamp["limit"], minimum=0.0)
     alpha = check_number(op, "alpha", clamp["alpha"])
     offset = check_number(op, "glu_linear_offset", clamp["glu_linear_offset"])
-    return _activation(x, s, name=name, interleave=k, limit=limit, alpha=alpha, offset=offset)
+    return _activation(x_cast, s, name=name, interleave=k, limit=limit, alpha=alpha, offset=offset)
 
 
 def activation(

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .._autocast import DEVICES
+from .._autocast import CASTABLE, DEVICES
 from .._vjp import custom_vjp
 
 Tensor = torch.Tensor
-
-_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _cast_fwd(x, *, dtype):
@@ -41,6 +39,6 @@ def autocast_inputs(*tensors):
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return tuple(
-        cast(t, dtype=dtype) if isinstance(t, Tensor) and t.dtype in _CASTABLE and t.dtype != dtype else t
+        cast(t, dtype=dtype) if isinstance(t, Tensor) and t.dtype in CASTABLE and t.dtype != dtype else t
         for t in tensors
     )

@@ -34,6 +34,7 @@ from .._parallel import (
     linear_parallelism,
     reduce_grad_input,
     reduce_output,
+    share_replicated,
 )
 from .._vjp import custom_vjp
 from ..kernels._common import rows_view
@@ -62,8 +63,10 @@ def _linear_bwd(res, dy, *, parallel=None, needs_input_grad=(True, True, True)):
     if parallel is not None:  # column+sp gathers x again (as TE: less memory), row+sp gathers dy
         # (every gradient, whatever is frozen: the collectives must match on every rank)
         x, dy = gather_input("linear", x, parallel), gather_grad_output("linear", dy, parallel)
-        dx = reduce_grad_input("linear", torch.matmul(dy, weight), parallel)
-        return dx, torch.matmul(rows_view(dy).t(), rows_view(x)), BIAS_GRAD(dy) if has_bias else None
+        x_local, dy_local = share_replicated("linear", x, dy, parallel)
+        dx = reduce_grad_input("linear", torch.matmul(dy_local, weight), parallel)
+        dweight = torch.matmul(rows_view(dy_local).t(), rows_view(x_local))
+        return dx, dweight, BIAS_GRAD(dy) if has_bias else None
     # Only the wanted gradients (a frozen weight's wgrad GEMM is a third of the linear's work).
     want_dx, want_dweight, want_dbias = needs_input_grad
     dx = torch.matmul(dy, weight) if want_dx else None
@@ -118,7 +121,6 @@ def linear(
         >>> ops.linear(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4)).shape
         torch.Size([2, 4])
     """
-    x, weight, bias = autocast_inputs(x, weight, bias)
     check_tensor("linear", "x", x)
     check_tensor("linear", "weight", weight)
     if x.dim() < 1:
@@ -126,14 +128,16 @@ def linear(
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         expected = describe_shape(x.dtype, (None, x.shape[-1]))
         raise shape_error("linear", "weight", expected, weight, f"in_features must match x.shape[-1] = {x.shape[-1]}")
-    check_same_dtype("linear", "weight", weight, x, "x")
+    check_same_dtype("linear", "weight", weight, x, "x", autocast=True)
     if bias is not None:
         check_tensor("linear", "bias", bias)
         if bias.shape != (weight.shape[0],):
             raise shape_error("linear", "bias", describe_shape(x.dtype, (weight.shape[0],)), bias)
-        check_same_dtype("linear", "bias", bias, x, "x")
+        check_same_dtype("linear", "bias", bias, x, "x", autocast=True)
     check_same_device("linear", {"x": x, "weight": weight, "bias": bias})
     parallel = linear_parallelism("linear", x, tensor_parallel_mode, sequence_parallel, group)
+    # (after the checks, which name what the caller passed: f32, not the bf16 autocast makes of it)
+    x, weight, bias = autocast_inputs(x, weight, bias)
     if parallel is None:
         return _linear(x, weight, bias)
     return _linear(x, weight, bias, parallel=parallel)
@@ -165,7 +169,6 @@ def bias(x: Tensor, b: Tensor) -> Tensor:
         >>> ops.bias(torch.zeros(2, 3), torch.tensor([1.0, 2.0, 3.0])).tolist()
         [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
     """
-    x, b = autocast_inputs(x, b)
     check_tensor("bias", "x", x)
     check_tensor("bias", "b", b)
     if x.dim() < 1:
@@ -173,9 +176,9 @@ def bias(x: Tensor, b: Tensor) -> Tensor:
     if b.shape != (x.shape[-1],):
         expected = describe_shape(x.dtype, (x.shape[-1],))
         raise shape_error("bias", "b", expected, b, "one value per feature of x's last dimension")
-    check_same_dtype("bias", "b", b, x, "x")
+    check_same_dtype("bias", "b", b, x, "x", autocast=True)
     check_same_device("bias", {"x": x, "b": b})
-    return _bias(x, b)
+    return _bias(*autocast_inputs(x, b))
 
 
 # ----------------------------------------------------------------------------- residual plumbing
@@ -209,13 +212,13 @@ def add_extra_input(x: Tensor, extra: Tensor, *, in_place: bool = False) -> Tens
         >>> ops.add_extra_input(torch.ones(2), torch.full((2,), 2.0)).tolist()
         [3.0, 3.0]
     """
-    x, extra = autocast_inputs(x, extra)
     check_tensor("add_extra_input", "x", x)
     check_tensor("add_extra_input", "extra", extra)
     if extra.shape != x.shape:
         raise shape_error("add_extra_input", "extra", describe_shape(x.dtype, tuple(x.shape)), extra)
-    check_same_dtype("add_extra_input", "extra", extra, x, "x")
+    check_same_dtype("add_extra_input", "extra", extra, x, "x", autocast=True)
     check_same_device("add_extra_input", {"x": x, "extra": extra})
+    x, extra = autocast_inputs(x, extra)
     # (a truthy non-bool, in_place="False", would donate, and overwrite, the caller's buffer)
     # (a donated buffer is written in place only where nothing can tell: see donatable; an x
     # overlapping extra's memory, extra.t() or a shifted slice, would make add_ raise)

@@ -61,11 +61,11 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
         >>> torch.equal(y, ops.dropout(torch.ones(10_000), 0.25, seed=7))
         True
     """
-    (x,) = autocast_inputs(x)
     check_tensor("dropout", "x", x)
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ArgumentError(f"functe.dropout: argument 'p' expected a Python number in [0, 1), got {p!r}")
     seed = seed_tensor(seed, x, "dropout")
+    (x,) = autocast_inputs(x)  # (after the checks: they name what the caller passed)
     if p == 0:
         return x
     return _dropout(x, seed, p=static_float(p))

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._errors import (
-    ArgumentError,
     check_same_device,
     check_same_dtype,
     check_tensor,
@@ -305,7 +304,6 @@ def fp8_linear(
         [8.0, 8.0]
     """
     check_recipe("fp8_linear", recipe)
-    x, weight, bias = autocast_inputs(x, weight, bias)  # (not the state: its scales stay fp32)
     check_tensor("fp8_linear", "x", x, dtypes=QUANTIZABLE)
     check_tensor("fp8_linear", "weight", weight, dtypes=QUANTIZABLE)
     if x.dim() < 1:
@@ -315,12 +313,12 @@ def fp8_linear(
         raise shape_error(
             "fp8_linear", "weight", expected, weight, f"in_features must match x.shape[-1] = {x.shape[-1]}"
         )
-    check_same_dtype("fp8_linear", "weight", weight, x, "x")
+    check_same_dtype("fp8_linear", "weight", weight, x, "x", autocast=True)
     if bias is not None:
         check_tensor("fp8_linear", "bias", bias, dtypes=QUANTIZABLE)
         if bias.shape != (weight.shape[0],):
             raise shape_error("fp8_linear", "bias", describe_shape(x.dtype, (weight.shape[0],)), bias)
-        check_same_dtype("fp8_linear", "bias", bias, x, "x")
+        check_same_dtype("fp8_linear", "bias", bias, x, "x", autocast=True)
     check_linear_state("fp8_linear", state, recipe)
     if seed is not None:  # (checked for every recipe: the deterministic ones ignore its value only)
         seed = seed_tensor(seed, x, "fp8_linear")
@@ -329,15 +327,16 @@ def fp8_linear(
         s = getattr(state, role)
         state_leaves.update({f"state.{role}.scale": s.scale, f"state.{role}.amax_history": s.amax_history})
     check_same_device("fp8_linear", {"x": x, "weight": weight, "bias": bias, **state_leaves})
+    # (after the checks, which name what the caller passed; not the state: its scales stay fp32)
+    x, weight, bias = autocast_inputs(x, weight, bias)
     stateful = isinstance(recipe, DelayedScaling)  # amaxes are reduced to keep states identical
     mode, sp = tensor_parallel_mode, sequence_parallel
-    parallel = linear_parallelism("fp8_linear", x, mode, sp, group, amax_group, fp8=stateful)
-    if isinstance(recipe, BLOCK_RECIPES):
-        if parallel is not None:
-            raise ArgumentError(
-                f"functe.fp8_linear: tensor parallelism is not implemented for {type(recipe).__name__} "
-                "(docs/block_scaling.md); use it without tensor_parallel_mode"
-            )
+    block = isinstance(recipe, BLOCK_RECIPES)
+    unsupported = type(recipe).__name__ if block else None
+    parallel = linear_parallelism(
+        "fp8_linear", x, mode, sp, group, amax_group, fp8=stateful, unsupported_recipe=unsupported
+    )
+    if block:
         return block_linear(x, weight, bias, recipe=recipe, seed=seed)
     if parallel is None:
         return _fp8_linear(x, weight, bias, state, recipe=recipe)

@@ -46,7 +46,7 @@ def _check(op: str, x: Tensor, params: dict[str, Tensor], eps) -> float:
         if value.shape != (n,):
             expected = describe_shape(x.dtype, (n,))
             raise shape_error(op, arg, expected, value, f"one value per feature: x.shape[-1] = {n}")
-        check_same_dtype(op, arg, value, x, "x")
+        check_same_dtype(op, arg, value, x, "x", autocast=True)
     check_same_device(op, {"x": x, **params})
     return check_number(op, "eps", eps, minimum=0.0)
 
@@ -113,8 +113,8 @@ def layer_norm(
         >>> [round(v, 4) for v in y[0].tolist()]
         [-1.0, 1.0]
     """
-    x, weight, bias = autocast_inputs(x, weight, bias)
     eps = _check("layer_norm", x, {"weight": weight, "bias": bias}, eps)
+    x, weight, bias = autocast_inputs(x, weight, bias)  # (after the checks: they name what was passed)
     return _layer_norm(
         x,
         weight,
@@ -146,8 +146,8 @@ def rms_norm(x: Tensor, weight: Tensor, *, eps: float = 1e-5, zero_centered_gamm
         >>> [round(v, 4) for v in y[0].tolist()]
         [0.8485, -1.1314]
     """
-    x, weight = autocast_inputs(x, weight)
     eps = _check("rms_norm", x, {"weight": weight}, eps)
+    x, weight = autocast_inputs(x, weight)
     return _rms_norm(
         x, weight, eps=eps, zero_centered_gamma=check_flag("rms_norm", "zero_centered_gamma", zero_centered_gamma)
     )
@@ -173,6 +173,5 @@ def l2_normalize(x: Tensor, *, eps: float = 1e-6) -> Tensor:
         >>> ops.l2_normalize(torch.tensor([[3.0, 4.0]]), eps=0.0).tolist()
         [[0.6000000238418579, 0.800000011920929]]
     """
-    (x,) = autocast_inputs(x)
     eps = _check("l2_normalize", x, {}, eps)
-    return _l2_normalize(x, eps=eps)
+    return _l2_normalize(*autocast_inputs(x), eps=eps)

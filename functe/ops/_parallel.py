@@ -131,8 +131,8 @@ def _all_reduce_fwd(x, *, group, reduce_in_backward):
 
 
 def _all_reduce_bwd(_, dy, *, group, reduce_in_backward):
-    if not reduce_in_backward:
-        return (dy,)
+    if not reduce_in_backward:  # (share: the identity, whose own adjoint sums over ranks)
+        return (collective("share", dy, group, who="all_reduce (backward)"),)
     return (collective("all_reduce", dy, group, who="all_reduce (backward)"),)
 
 
