@@ -240,6 +240,8 @@ class CustomVJP:
             they run with autocast off, so they compute in their arguments' dtypes
             (``functe._autocast``: functe's ops cast their data arguments to autocast's
             dtype before the op); :func:`functe.opaque` keeps it (its function runs as-is).
+            Inside a :func:`functe.fuse` plan every op runs with autocast off, this one
+            too: it computes in the dtypes the trace recorded (docs/design.md §6).
 
     Example:
         >>> import torch

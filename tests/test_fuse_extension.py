@@ -182,6 +182,71 @@ def test_check_catches_a_wrong_backward_fusion():
         check(rule, {"x": torch.empty(3, 4), "s": torch.empty(()), "w": torch.empty(5, 4)})
 
 
+def _fp8_rule_cases():
+    from functe.rules import quantize as q
+
+    current, delayed, block = (
+        functe.CurrentScaling(),
+        functe.DelayedScaling(amax_history_len=4),
+        functe.Float8BlockScaling(),
+    )
+    x, g, w, b = torch.empty(4, 16), torch.empty(16), torch.empty(32, 16), torch.empty(32)
+    xb, gb, wb = torch.empty(4, 128), torch.empty(128), torch.empty(128, 128)
+    state = functe.init_linear_scaling_state(delayed)
+    return [
+        (
+            q.FORWARD_NORM_QUANTIZE,
+            (x, g, w, b),
+            lambda x, g, w, b: ops.fp8_linear(ops.rms_norm(x, g), w, b, None, recipe=current),
+        ),
+        (
+            q.FORWARD_ACTIVATION_QUANTIZE,
+            (x, w, state),
+            lambda x, w, s: ops.fp8_linear(ops.gelu(x), w, None, s, recipe=delayed),
+        ),
+        (
+            q.BACKWARD_FP8_LINEAR_ACTIVATION,
+            (x, w, b),
+            lambda x, w, b: ops.gelu(ops.fp8_linear(x, w, b, None, recipe=current)),
+        ),
+        (
+            q.FORWARD_NORM_BLOCK_QUANTIZE,
+            (xb, gb, wb),
+            lambda x, g, w: ops.fp8_linear(ops.layer_norm(x, g, g), w, None, None, recipe=block),
+        ),
+        (
+            q.FORWARD_ACTIVATION_BLOCK_QUANTIZE,
+            (xb, wb),
+            lambda x, w: ops.fp8_linear(ops.silu(x), w, None, None, recipe=block),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_check_runs_functes_own_fp8_rules(case):
+    # (their float64 reference ran fp8_linear on float64 inputs: "expected dtype f32|f16|bf16, got f64")
+    rule, args, fn = _fp8_rule_cases()[case]
+    check(rule, args, fn=fn)
+
+
+def test_check_catches_a_wrong_fp8_fusion():
+    from functe.rules.quantize import FORWARD_ACTIVATION_QUANTIZE as right
+
+    def swap_activation(m):  # the fused op applies relu where the program has gelu
+        eqn = right.rewrite(m)
+        eqn.params = {**eqn.params, "name": "relu"}
+        return eqn
+
+    rule = Rule("wrong_activation_quantize", "forward", right.pattern, swap_activation, condition=right.condition)
+    recipe = functe.CurrentScaling()
+    with pytest.raises(AssertionError, match=r"rule wrong_activation_quantize, output 0 \(fused vs unfused, quantized"):
+        check(
+            rule,
+            (torch.empty(4, 16), torch.empty(8, 16)),
+            fn=lambda x, w: ops.fp8_linear(ops.gelu(x), w, None, None, recipe=recipe),
+        )
+
+
 def test_check_reports_a_rule_that_does_not_fire():
     with pytest.raises(AssertionError, match=r"rule axpy did not fire$"):
         check(AXPY, (torch.empty(3),), fn=lambda x: x * 2.0)

@@ -85,7 +85,10 @@ def check(
     float32 the float16 entry, TransformerEngine's convention for GEMM
     results; ``atol`` scaled to each tensor's largest value, since normal
     inputs make gradients sums of terms that can cancel); and, where the rule also fires in float64, fused and unfused
-    agree within the float64 tolerance.
+    agree within the float64 tolerance. A quantized program (an equation with a ``recipe``:
+    ``fp8_linear``, a block-scaled linear) has no float64 version (the FP8 casts take
+    fp32/fp16/bf16): its reference is the unfused program on the same inputs and cotangents, in
+    their dtype, under the same tolerance (functe's own FP8 rules equal it bit for bit).
 
     Example:
         >>> import torch
@@ -115,15 +118,22 @@ def check(
         raise AssertionError(f"rule {rule.name} did not fire" + (f" (declined: {reasons})" if reasons else ""))
     got = _outputs_and_grads(fused, call, args, gen)
     unfused = fuse(program, rules=RuleSet(), recipe=recipe)
-    wide = _map(args, lambda t: t.detach().to(torch.float64) if t.is_floating_point() else t)
-    cts64 = [c.to(torch.float64) for c in got[2]]  # the reference reuses the rounded cotangents
-    expected = _outputs_and_grads(unfused, call, wide, gen, cts=cts64)
-    _compare(got, expected, rule.name, "fused vs unfused float64")
+    quantized = any("recipe" in eqn.params for eqn in plan.traced.eqns)
+    if quantized:  # (fp8_linear refused the float64 reference: "expected dtype f32|f16|bf16, got f64")
+        expected = _outputs_and_grads(unfused, call, args, gen, cts=got[2])
+        _compare(got, expected, rule.name, "fused vs unfused, quantized, in the inputs' dtype")
+    else:
+        wide = _map(args, lambda t: t.detach().to(torch.float64) if t.is_floating_point() else t)
+        cts64 = [c.to(torch.float64) for c in got[2]]  # the reference reuses the rounded cotangents
+        expected = _outputs_and_grads(unfused, call, wide, gen, cts=cts64)
+        _compare(got, expected, rule.name, "fused vs unfused float64")
     # Each input frozen in turn: the fused op's needs_input_grad and prune_residuals paths (a
     # rule whose backward reads a residual its pruning dropped, or returns a wrong partial set)
     for path in got[1] if len(got[1]) > 1 else ():
         partial = _outputs_and_grads(fused, call, args, gen, cts=got[2], frozen=path)
-        _compare(partial, expected, rule.name, f"fused with {path} frozen vs unfused float64")
+        _compare(partial, expected, rule.name, f"fused with {path} frozen vs unfused")
+    if quantized:
+        return
     fused64 = fuse(program, rules=RuleSet([rule]), recipe=recipe)
     plan64 = fused64.plan(*wide) if fn is not None else fused64.plan(**wide)
     if plan64.stats[rule.phase].fired.get(rule.name):
