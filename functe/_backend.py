@@ -174,18 +174,34 @@ def unaliased_outputs(outputs: list, inputs) -> tuple[list, dict[int, torch.Tens
     through the shared version counter ("modified by an inplace operation"), as torch's ops do.
     """
     if torch.compiler.is_compiling():  # (Dynamo cannot trace _is_view; compiled graphs own their outputs)
-        return outputs, {}
-    views = [o for o in outputs if isinstance(o, torch.Tensor) and o._is_view()]
-    if not views:
-        return outputs, {}
-    taken = {id(a._base if a._is_view() else a) for a in inputs if isinstance(a, torch.Tensor)}
-    taken.update(id(o) for o in outputs if isinstance(o, torch.Tensor) and not o._is_view())
-    bases = [id(v._base) for v in views]
-    swapped = {}
-    for view, base in zip(views, bases):
-        # (detach() would drop a tangent: a forward rule run on duals, or under torch.func.jvp)
-        if base not in taken and bases.count(base) == 1 and not _is_wrapped(view) and not any_tangent((view,)):
-            swapped[id(view)] = view.detach()
-    if not swapped:
-        return outputs, swapped
-    return [swapped.get(id(o), o) for o in outputs], swapped
+        return outputs, _NOTHING_SWAPPED
+    swapped = None
+    for o in outputs:
+        if type(o) in PLAIN_TENSOR_TYPES and o._is_view():
+            base = o._base
+            # (detach() would drop a tangent: a forward rule run on duals, or under torch.func.jvp)
+            if _owned(base, inputs, outputs) and not _is_wrapped(o) and not (forward_ad_active() and any_tangent((o,))):
+                if swapped is None:
+                    swapped = {}
+                swapped[id(o)] = (base, o.detach())
+    if swapped is None:
+        return outputs, _NOTHING_SWAPPED
+    if len(swapped) > 1:  # (views of one buffer stay views: writing one would change the other)
+        bases = [id(base) for base, _ in swapped.values()]
+        swapped = {k: v for k, v in swapped.items() if bases.count(id(v[0])) == 1}
+    replaced = {k: detached for k, (_, detached) in swapped.items()}
+    return [replaced.get(id(o), o) for o in outputs], replaced
+
+
+_NOTHING_SWAPPED: dict = {}
+
+
+def _owned(base: torch.Tensor, inputs, outputs) -> bool:
+    """Whether ``base`` is none of ``inputs`` (nor an input's base) and none of ``outputs``."""
+    for a in inputs:
+        if a is base or (type(a) in PLAIN_TENSOR_TYPES and a._base is base):
+            return False
+    for o in outputs:
+        if o is base:
+            return False
+    return True

@@ -611,7 +611,7 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
             if forward_ad_active():
                 _refuse_captured_tangents(fn, label)
             rng = RandomState(args)  # (before fn draws: the backward replays the same draws)
-            versions = [a._version if isinstance(a, Tensor) else None for a in args]
+            versions = [_version(a) for a in args]
             out = fn(*args, **static)
             _refuse_written_arguments(label, args, versions)
             # (and under the forward's autocast: the backward may run outside it)
@@ -632,15 +632,27 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
     return op
 
 
+def _version(a) -> int | None:
+    """The version counter of the tensor under ``a``'s ``torch.func`` wrappers (a write through a
+    vmap wrapper bumps the batched tensor's, not the wrapper's); ``None`` for a non-tensor and an
+    inference tensor (which has no version counter)."""
+    if not isinstance(a, Tensor):
+        return None
+    while torch._C._functorch.is_functorch_wrapped_tensor(a):
+        a = torch._C._functorch.get_unwrapped(a)
+    return None if a.is_inference() else a._version
+
+
 def _refuse_written_arguments(label: str, args: tuple, versions: list) -> None:
-    """Raise if ``fn`` wrote into one of its arguments in place (``nn.SiLU(inplace=True)``): the
-    backward recomputes ``fn`` from the arguments, which no longer hold the forward's inputs, and
-    an op that saved one for its own backward would differentiate the written values (a fused
-    plan saves residuals after the whole forward, so autograd's version check could not see it:
-    silently wrong weight gradients). Writes into captured state (a BatchNorm's running
-    statistics) are not arguments and stay allowed."""
+    """Raise if ``fn`` wrote into one of its arguments in place (``nn.SiLU(inplace=True)``), also
+    when nothing is differentiated: functe's ops are pure (a fused plan may share or reorder the
+    values it is given), and the backward recomputes ``fn`` from the arguments, which no longer
+    hold the forward's inputs; an op that saved one for its own backward would differentiate the
+    written values (a fused plan saves residuals after the whole forward, so autograd's version
+    check could not see it: silently wrong weight gradients). Writes into captured state (a
+    BatchNorm's running statistics) are not arguments and stay allowed."""
     for i, (a, before) in enumerate(zip(args, versions)):
-        if before is not None and a._version != before:
+        if before is not None and _version(a) != before:
             raise ArgumentError(
                 f"functe.{label}: the function wrote into its argument {i} ({describe(a)}) in place; an "
                 "opaque function must leave its arguments unchanged (its backward recomputes it from them): "

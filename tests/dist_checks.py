@@ -319,6 +319,46 @@ def parallel_linear_second_derivatives() -> None:
             assert_close(g, cut(ref), msg=f"{what}: d penalty / d{name}")
 
 
+def fused_row_parallel_backward() -> list[str]:
+    """The backward fusions over a row-parallel linear run its backward with its communication
+    marks: first-order gradients equal unfused ones, and a gradient penalty through the scaled
+    linear (alpha in the GEMMs) too (before, that fused backward read the replicated dy as
+    rank-local: d pen / dW off by up to 2.5; the activation's fusion keeps an intermediate and
+    refuses second order). Returns the rules that fired."""
+    row = {"tensor_parallel_mode": "row"}
+    scaled = lambda x, w, b: ops.linear(x, w, b, **row) * 0.5
+    activated = lambda x, w, b: ops.gelu(ops.linear(x, w, b, **row))
+    x, w, b = seeded((3, 8), F64, seed=760), seeded((6, 8), F64, seed=761, scale=0.3), seeded((6,), F64, seed=762)
+    args = (part(x, -1), part(w, 1), b)
+    fired = []
+    for program, order in ((scaled, 2), (activated, 1)):
+        fused = functe.fuse(program)
+        fired += list(fused.plan(*args).stats["backward"].fired)
+        results = []
+        for fn in (program, fused):
+            leaves = [t.clone().requires_grad_() for t in args]
+            grads = torch.autograd.grad(torch.tanh(fn(*leaves)).sum(), leaves, create_graph=order == 2)
+            if order == 2:
+                gx, gw, gb = grads
+                pen = ops.all_reduce((gx * gx).sum() + (gw * gw).sum()) + (gb * gb).sum()  # db is replicated
+                grads = torch.autograd.grad(pen, leaves)
+            results.append(grads)
+        for name, f, u in zip(("x", "W", "b"), results[1], results[0]):
+            assert_close(f, u, msg=f"order {order}: fused vs unfused d/d{name}")
+        if order == 2:  # and both equal one process's, sliced
+            leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+            grads = torch.autograd.grad(
+                torch.tanh(leaves[0] @ leaves[1].T * 0.5 + 0.5 * leaves[2]).sum(), leaves, create_graph=True
+            )
+            refs = torch.autograd.grad(sum((g * g).sum() for g in grads), leaves)
+            for name, f, ref, cut in zip(
+                ("x", "W", "b"), results[1], refs, (lambda t: part(t, -1), lambda t: part(t, 1), lambda t: t)
+            ):
+                assert_close(f, cut(ref), msg=f"fused vs one process d penalty / d{name}")
+    return fired
+
+
+# ----------------------------------------------------------------------------- FP8
 # ----------------------------------------------------------------------------- FP8
 
 

@@ -215,6 +215,12 @@ def test_parallel_linear_second_derivatives_equal_one_process(pool):
 
 
 @pytest.mark.distributed
+def test_fused_row_parallel_backward_equals_unfused_to_second_order(pool):
+    for fired in pool.run(checks.fused_row_parallel_backward):
+        assert fired == ["backward_linear_scale", "backward_linear_bias_activation"]
+
+
+@pytest.mark.distributed
 def test_parallel_linear_under_vmap(pool):
     pool.run(checks.parallel_linear_vmap)
 

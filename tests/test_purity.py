@@ -107,3 +107,23 @@ def test_donating_an_inference_tensor_outside_inference_mode_computes_out_of_pla
     with torch.inference_mode():
         z = ops.add_extra_input(torch.ones(2), extra, in_place=True)
     assert z is extra and extra.tolist() == [2.0, 2.0]  # inside inference mode the donation stands
+
+
+def test_opaque_accepts_inference_tensors():
+    # (the write check read their version counter: "Inference tensors do not track version counter")
+    tanh = functe.opaque(torch.tanh)
+    with torch.inference_mode():
+        x = make((3,))
+        assert torch.equal(tanh(x), torch.tanh(x))
+    assert torch.equal(tanh(x), torch.tanh(x)) and torch.equal(
+        functe.fuse(lambda t: tanh(t) * 2.0)(x), 2 * torch.tanh(x)
+    )
+
+
+def test_an_opaque_write_under_vmap_is_refused():
+    # (a vmap wrapper's version counter does not move: vmap(grad) gave dW off by 3.67, silently)
+    act = functe.opaque(torch.nn.SiLU(inplace=True))
+    w = make((8, 8))
+    loss = lambda w, x: (ops.linear(x, w) + act(x)).sum()
+    with pytest.raises(functe.ArgumentError, match="wrote into its argument 0"):
+        torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, make((3, 4, 8)))

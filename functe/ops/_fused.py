@@ -82,7 +82,8 @@ def prune_covered(index: int, prune, arguments: int, static: tuple[str, ...] = (
     ``static`` names the fused op's static params its rule takes. The other ops' residuals are kept."""
 
     def fused_prune(res, *, needs_input_grad, **params):
-        kept = prune(res[index], needs_input_grad=needs_input_grad[:arguments], **{k: params[k] for k in static})
+        given = {k: params[k] for k in static if k in params}  # (an optional param the rule left out)
+        kept = prune(res[index], needs_input_grad=needs_input_grad[:arguments], **given)
         # (always a new tuple: Dynamo cannot trace ``is`` between two tuples, and broke the graph there,
         # past which its optree polyfill failed on a dict output; the caller compares the leaves)
         return (*res[:index], kept, *res[index + 1 :])
@@ -91,8 +92,9 @@ def prune_covered(index: int, prune, arguments: int, static: tuple[str, ...] = (
 
 
 def _prune_linear_at(index: int):
-    """:func:`prune_covered` for a covered linear (``x, weight, bias`` lead the fused op's arguments)."""
-    return prune_covered(index, linear_prune, 3)
+    """:func:`prune_covered` for a covered linear (``x, weight, bias`` lead the fused op's arguments;
+    a row-parallel one passes its ``parallel``)."""
+    return prune_covered(index, linear_prune, 3, static=("parallel",))
 
 
 def _linear_residuals(x: Tensor, weight: Tensor, has_bias: bool):
@@ -214,15 +216,18 @@ gradient; covers ``make_extra_output, linear``.
 # ----------------------------------------------------------------------------- backward: linear -> constant_scale
 
 
-def _backward_linear_scale_fwd(x, weight, bias, *, scale):
-    h, lin = _linear_fwd(x, weight, bias)
+def _backward_linear_scale_fwd(x, weight, bias, *, scale, parallel=None):
+    h, lin = _linear_fwd(x, weight, bias, parallel=parallel)
     y, _ = _scale_fwd(h, scale=scale)
     return y, (lin, None)
 
 
-def _backward_linear_scale_bwd(res, dy, *, scale, needs_input_grad=(True, True, True)):
+def _backward_linear_scale_bwd(res, dy, *, scale, parallel=None, needs_input_grad=(True, True, True)):
     # dx = s·dy·W and dW = s·dyᵀ·x: the scale is the alpha of both GEMMs.
     (x, weight, has_bias), _ = res
+    if parallel is not None:  # (a row-parallel linear: its rule marks the replicated dy, see _parallel)
+        (dh,) = _scale_bwd(None, dy, scale=scale)
+        return _linear_bwd((x, weight, has_bias), dh, parallel=parallel)
     if _frozen(needs_input_grad, has_bias):  # (only the wanted gradients, unfused)
         (dh,) = _scale_bwd(None, dy, scale=scale)
         return _linear_bwd((x, weight, has_bias), dh, needs_input_grad=needs_input_grad)
@@ -326,18 +331,19 @@ def _dact_dbias(dy: Tensor, z: Tensor, activation: str, want_db: bool):
     return g, (BIAS_GRAD(g) if want_db else None)
 
 
-def _backward_linear_activation_fwd(x, weight, bias, *, activation):
+def _backward_linear_activation_fwd(x, weight, bias, *, activation, parallel=None):
     # The unfused chain: linear, activation.
-    z, lin = _linear_fwd(x, weight, bias)
+    z, lin = _linear_fwd(x, weight, bias, parallel=parallel)
     y, act_res = act._activation.fwd(z, None, **_act_params(activation))
     return y, (lin, act_res)
 
 
-def _backward_linear_activation_bwd(res, dy, *, activation, needs_input_grad=(True, True, True)):
+def _backward_linear_activation_bwd(res, dy, *, activation, parallel=None, needs_input_grad=(True, True, True)):
     (x, weight, has_bias), (z, _) = res
-    if _frozen(needs_input_grad, has_bias):  # (only the wanted gradients)
+    if parallel is not None or _frozen(needs_input_grad, has_bias):  # (only the wanted gradients)
+        # (a row-parallel linear: its rule marks the replicated g for second derivatives, see _parallel)
         g, dbias = _dact_dbias(dy, z, activation, has_bias and needs_input_grad[2])
-        dx, dweight, _ = _linear_bwd((x, weight, False), g, needs_input_grad=needs_input_grad)
+        dx, dweight, _ = _linear_bwd((x, weight, False), g, parallel=parallel, needs_input_grad=needs_input_grad)
         return dx, dweight, dbias
     if triton_gemm(dy):
         if dact_prologue_pays(activation, weight.shape[1]):

@@ -137,3 +137,11 @@ def first_reason(*conditions: Callable[[Match], str | None]) -> Callable[[Match]
         return None
 
     return condition
+
+
+def linear_parallel_param(m: Match, name: str) -> dict:
+    """``{"parallel": p}`` for the linear captured as ``name`` if it is tensor-parallel, else ``{}``
+    (op lists of plain programs unchanged). Backward rules over a row-parallel linear pass it to
+    the fused op, which runs the linear's own backward (it marks the replicated ``dy``)."""
+    p = m.params(name).get("parallel")
+    return {} if p is None else {"parallel": p}

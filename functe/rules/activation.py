@@ -15,7 +15,7 @@ from ..kernels._act import ACTIVATIONS
 from ..ops import _activation as act
 from ..ops import _core as core
 from ..ops import _fused as fused
-from ._parallel import backward_parallel_reason, first_reason, forward_parallel_reason
+from ._parallel import backward_parallel_reason, first_reason, forward_parallel_reason, linear_parallel_param
 from ._pattern import Match, Rule, RuleSet
 from ._pattern import Pattern as P
 
@@ -81,8 +81,13 @@ FORWARD_LINEAR_BIAS_OP_ACTIVATION = Rule(
 BACKWARD_LINEAR_BIAS_ACTIVATION = Rule(
     "backward_linear_bias_activation",
     "backward",
-    P(act._activation, P(core._linear, "x", "w", "b"), None, name="act"),
-    lambda m: m.fuse(fused.backward_linear_activation, [m["x"], m["w"], m["b"]], activation=m.params("act")["name"]),
+    P(act._activation, P(core._linear, "x", "w", "b", name="lin"), None, name="act"),
+    lambda m: m.fuse(
+        fused.backward_linear_activation,
+        [m["x"], m["w"], m["b"]],
+        activation=m.params("act")["name"],
+        **linear_parallel_param(m, "lin"),
+    ),
     condition=first_reason(backward_parallel_reason, elementwise),
     doc="activation after a linear: dact + dbias in one pass (or dact as dgrad's prologue), wgrad with dbias",
 )

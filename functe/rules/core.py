@@ -10,7 +10,7 @@ from __future__ import annotations
 from .._oplist import is_none
 from ..ops import _core as core
 from ..ops import _fused as fused
-from ._parallel import backward_parallel_reason, first_reason, forward_parallel_reason
+from ._parallel import backward_parallel_reason, first_reason, forward_parallel_reason, linear_parallel_param
 from ._pattern import Match, Rule, RuleSet
 from ._pattern import Pattern as P
 
@@ -89,14 +89,15 @@ BACKWARD_LINEAR_ADD = Rule(
 
 
 def _backward_linear_scale(m: Match):
-    return m.fuse(fused.backward_linear_scale, [m["x"], m["w"], m["b"]], scale=m.params("scale")["scale"])
+    scale = m.params("scale")["scale"]
+    return m.fuse(fused.backward_linear_scale, [m["x"], m["w"], m["b"]], scale=scale, **linear_parallel_param(m, "lin"))
 
 
 # constant_scale(linear(x, w, b), s) -> backward_linear_scale(x, w, b, scale=s): alpha = s in both GEMMs
 BACKWARD_LINEAR_SCALE = Rule(
     "backward_linear_scale",
     "backward",
-    P(core._constant_scale, P(core._linear, "x", "w", "b"), name="scale"),
+    P(core._constant_scale, P(core._linear, "x", "w", "b", name="lin"), name="scale"),
     _backward_linear_scale,
     condition=backward_parallel_reason,
     doc="scale after a linear: alpha = scale in the dgrad and wgrad GEMMs (TE BackwardLinearScale)",
