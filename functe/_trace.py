@@ -638,8 +638,7 @@ def _version(a) -> int | None:
     inference tensor (which has no version counter)."""
     if not isinstance(a, Tensor):
         return None
-    while torch._C._functorch.is_functorch_wrapped_tensor(a):
-        a = torch._C._functorch.get_unwrapped(a)
+    a = _unwrapped(a)
     return None if a.is_inference() else a._version
 
 

@@ -225,12 +225,10 @@ def _backward_linear_scale_fwd(x, weight, bias, *, scale, parallel=None):
 def _backward_linear_scale_bwd(res, dy, *, scale, parallel=None, needs_input_grad=(True, True, True)):
     # dx = s·dy·W and dW = s·dyᵀ·x: the scale is the alpha of both GEMMs.
     (x, weight, has_bias), _ = res
-    if parallel is not None:  # (a row-parallel linear: its rule marks the replicated dy, see _parallel)
+    if parallel is not None or _frozen(needs_input_grad, has_bias):  # (only the wanted gradients, unfused)
+        # (a row-parallel linear: its rule marks the replicated dy for second derivatives, see _parallel)
         (dh,) = _scale_bwd(None, dy, scale=scale)
-        return _linear_bwd((x, weight, has_bias), dh, parallel=parallel)
-    if _frozen(needs_input_grad, has_bias):  # (only the wanted gradients, unfused)
-        (dh,) = _scale_bwd(None, dy, scale=scale)
-        return _linear_bwd((x, weight, has_bias), dh, needs_input_grad=needs_input_grad)
+        return _linear_bwd((x, weight, has_bias), dh, parallel=parallel, needs_input_grad=needs_input_grad)
     if triton_gemm(dy):
         dx = GEMM_DGRAD(dy, weight, None, scale)
         if not has_bias or dy.dtype == torch.float16:  # (fp16: the bias gradient of _scaled_bias_grad)
