@@ -316,3 +316,30 @@ def test_a_capture_batched_at_a_level_that_batches_no_argument_is_refused():
     assert torch.equal(nest(lambda f: f), expected)
     fused = lambda f: functe.fuse(lambda x: functe.opaque(f)(x))
     assert torch.equal(nest(fused), expected)  # (fuse lifts the capture to an input)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["gelu", "srelu", "qgelu", "swiglu", "dropout", "layer_norm", "rms_norm", "l2_normalize"],
+)
+def test_a_dual_larger_than_one_chunk_runs_the_threaded_fast_path(name):
+    # Inside a custom_vjp forward forward AD is off for the calling thread only: the CPU fast path's
+    # worker threads read slices of the dual input and their out= ops refused its tangent.
+    torch.manual_seed(0)
+    x, t, w = torch.randn(512, 512), torch.randn(512, 512), torch.randn(512)
+    fns = {
+        "dropout": lambda x, w: ops.dropout(x, 0.25, seed=1),
+        "layer_norm": lambda x, w: ops.layer_norm(x, w, w),
+        "rms_norm": lambda x, w: ops.rms_norm(x, w),
+    }
+    fn = fns.get(name, lambda x, w: getattr(ops, name)(x))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (one thread runs the chunks inline, where forward AD is already off)
+    try:
+        with fwAD.dual_level():
+            y, tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x, t), w))
+    finally:
+        torch.set_num_threads(threads)
+    want_y, want_t = torch.func.jvp(lambda x: fn(x, w.double()), (x.double(),), (t.double(),))
+    assert_close(y, want_y.float(), dtype=torch.float32)
+    assert_close(tangent, want_t.float(), dtype=torch.float32)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from .._backend import PLAIN_TENSOR_TYPES, any_tangent
 
@@ -128,8 +129,10 @@ def parallel_chunks(
     threads = min(torch.get_num_threads(), len(chunks))
 
     def work(first: int, stride: int) -> None:
-        # Grad mode is thread-local (on in a fresh thread); the fast path records nothing.
-        with torch.no_grad():
+        # Grad modes are thread-local (on in a fresh thread) and the fast path records nothing: a
+        # custom_vjp forward turns forward AD off for its own thread only, and a worker reading a
+        # slice of a dual input would otherwise trace its tangent into out= ops, which refuse it.
+        with torch.no_grad(), _set_fwd_grad_enabled(False):
             scratch = Scratch(step, row_shape, dtype)
             for i in range(first, len(chunks), stride):
                 body(i, chunks[i], scratch)
