@@ -10,6 +10,7 @@ from helpers import make
 
 import functe
 from functe import ops
+from functe.testing import assert_close
 
 # Ops whose kernels return a view of their own buffer (y.view(shape)) on the CPU fast path (large
 # inputs) or on the Triton path (small inputs through the interpreter), and the composites around them.
@@ -127,3 +128,52 @@ def test_an_opaque_write_under_vmap_is_refused():
     loss = lambda w, x: (ops.linear(x, w) + act(x)).sum()
     with pytest.raises(functe.ArgumentError, match="wrote into its argument 0"):
         torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, make((3, 4, 8)))
+
+
+@pytest.mark.parametrize(
+    "name", ["swiglu", "geglu", "clamped_swiglu", "swiglu_interleaved", "scaled_swiglu", "srelu", "dropout"]
+)
+def test_an_inplace_op_on_a_result_under_torch_compile(name):
+    # Under compile nothing un-views a Function's outputs (Dynamo cannot trace _is_view), so the twin
+    # must not return one: the gated twin flattened its product ("Output 0 of ApplyTemplate is a view
+    # and is being modified inplace").
+    fns = {
+        "swiglu_interleaved": lambda x: ops.swiglu(x, interleave=4),
+        "scaled_swiglu": lambda x: ops.scaled_swiglu(x, torch.ones(x.shape[:-1])),
+        "dropout": lambda x: ops.dropout(x, 0.25, seed=3),
+    }
+    fn = fns.get(name, getattr(ops, name, None))
+    x = make((3, 16))
+    c = torch.randn_like(fn(x))
+    expected = _grads_after_inplace_scale(lambda x, w: fn(x), x, x[0], c, inplace=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, c: (fn(x).mul_(2.0) * c).sum(), backend="aot_eager", fullgraph=True)
+    leaf = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(compiled(leaf, c), leaf)
+    assert_close(grad, expected[1], dtype=x.dtype)  # (compiled, the twin's formula runs: not the same bits)
+
+
+def test_kernels_allocate_their_results_in_the_result_shape():
+    # A result that is a view of a kernel's own buffer costs an un-viewing at the Function boundary
+    # on every recorded call (_backend.unaliased_outputs): the kernels write through a rows view of a
+    # result allocated in its final shape instead.
+    from functe.kernels import activation as act_kernels
+    from functe.kernels import dropout as dropout_kernels
+    from functe.kernels import norm as norm_kernels
+
+    x, w, seed = make((2, 3, 16)), make((16,)), torch.tensor(3)
+    results = {
+        "activation fast path": act_kernels.activation_ref(x, "swiglu", 0, 7.0, 1.702, 1.0),
+        "scaled activation fast path": act_kernels.activation_scaled_ref(
+            x, torch.ones(2, 3), "srelu", 0, 7.0, 1.702, 1.0
+        ),
+        "dropout fast path": dropout_kernels.dropout_ref(x, seed, 0.25),
+    }
+    with functe.use_backend("interpret"):
+        results["activation kernel"] = act_kernels.activation(x, "geglu", 4, 7.0, 1.702, 1.0)
+        results["dropout kernel"] = dropout_kernels.dropout(x, seed, 0.25)
+        results["rms_norm kernel"] = norm_kernels.rms_norm(x, w, 1e-5, False)
+        for i, t in enumerate(norm_kernels.layer_norm(x, w, w, 1e-5, False)):
+            results[f"layer_norm kernel output {i}"] = t
+    views = [name for name, t in results.items() if t._is_view()]
+    assert not views

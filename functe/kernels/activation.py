@@ -217,7 +217,7 @@ def _out_cols(name: str, in_cols: int) -> int:
 
 
 def _launch(kernel, dy, x, s, name, interleave, limit, alpha, offset):
-    """Shared launcher: forward when ``dy`` is None, else backward. Returns (out rows, ds or None)."""
+    """Shared launcher: forward when ``dy`` is None, else backward. Returns (y or dx rows, ds or None)."""
     act, gated, clamped = spec(name)
     rows = as_rows(x)
     n_rows, in_cols = rows.shape
@@ -240,11 +240,11 @@ def _launch(kernel, dy, x, s, name, interleave, limit, alpha, offset):
         COMPUTE=tl_compute_dtype(x.dtype),
     )
     scalars = (n_rows, n_out, in_cols, interleave if interleaved else n_out, limit, alpha, offset, n_col_blocks)
-    if dy is None:
-        out = torch.empty((n_rows, n_out), dtype=x.dtype, device=x.device)
-        if out.numel():
-            kernel[grid](rows, rows if s_rows is None else s_rows, out, *scalars, **flags)
-        return out, None
+    if dy is None:  # (the result in its own shape, written through a rows view: see _fast_forward)
+        y = torch.empty(_y_shape(x, name), dtype=x.dtype, device=x.device)
+        if y.numel():
+            kernel[grid](rows, rows if s_rows is None else s_rows, y.view(n_rows, n_out), *scalars, **flags)
+        return y, None
     dx = torch.empty_like(rows)
     partial = None if s is None else torch.zeros((n_col_blocks, n_rows), dtype=acc, device=x.device)
     if rows.numel():
@@ -268,16 +268,14 @@ def _y_shape(x: Tensor, name: str) -> tuple[int, ...]:
 
 def activation(x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
     """``f(x)`` for the activation ``name`` (``interleave`` 0: chunked gated layout)."""
-    y, _ = _launch(_act_kernel, None, x, None, name, interleave, limit, alpha, offset)
-    return y.view(_y_shape(x, name))
+    return _launch(_act_kernel, None, x, None, name, interleave, limit, alpha, offset)[0]
 
 
 def activation_scaled(
     x: Tensor, s: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float
 ) -> Tensor:
     """``s[..., None] * f(x)``; ``s`` has shape ``x.shape[:-1]``."""
-    y, _ = _launch(_act_kernel, None, x, s, name, interleave, limit, alpha, offset)
-    return y.view(_y_shape(x, name))
+    return _launch(_act_kernel, None, x, s, name, interleave, limit, alpha, offset)[0]
 
 
 def dactivation(dy: Tensor, x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
@@ -328,12 +326,13 @@ def _value(x: Tensor, name: str, interleave: int, limit: float, alpha: float, of
     _, gated, clamped = spec(name)
     if not gated:
         return _act.act_fwd_ref(x, name)
-    a, b = _halves(x, interleave)
+    # The halves in the output's shape (a copy when interleaved): the product is then the result
+    # itself, where flattening it would return a view, which an in-place op on the result of a
+    # Function refuses (and under torch.compile nothing un-views it; see _backend.unaliased_outputs).
+    a, b = (half.flatten(-2) for half in _halves(x, interleave))
     if clamped:
-        y = _act.clamped_swiglu_fwd_ref(a, b, limit, alpha, offset)
-    else:
-        y = _act.act_fwd_ref(a, GATED[name]) * b
-    return y.flatten(-2)
+        return _act.clamped_swiglu_fwd_ref(a, b, limit, alpha, offset)
+    return _act.act_fwd_ref(a, GATED[name]) * b
 
 
 def _vjp(g: Tensor, x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
@@ -516,7 +515,10 @@ def _fast_forward(x, s, name, interleave, limit, alpha, offset) -> Tensor:
     base = GATED.get(name, name)
     a, b = _lanes(x, name, interleave)
     n_rows, blocks, k = a.shape
-    y = torch.empty((n_rows, blocks, k), dtype=x.dtype)
+    # (allocated in the output's shape and written through a view: a view returned from a Function
+    # costs an un-viewing at the boundary, see _backend.unaliased_outputs)
+    result = torch.empty(_y_shape(x, name), dtype=x.dtype)
+    y = result.view(n_rows, blocks, k)
     s_rows = None if s is None else s.reshape(-1, 1, 1)
 
     def body(_, sl, buf):
@@ -533,7 +535,7 @@ def _fast_forward(x, s, name, interleave, limit, alpha, offset) -> Tensor:
         y[sl].copy_(out)
 
     parallel_chunks(n_rows, (blocks, k), compute_dtype(x.dtype), body)
-    return y.view(_y_shape(x, name))
+    return result
 
 
 def _fast_backward(dy, x, s, name, interleave, limit, alpha, offset) -> tuple[Tensor, Tensor | None]:

@@ -218,7 +218,8 @@ def _dropout_fast(x: Tensor, seed: Tensor, p: float) -> Tensor:
     if not x.numel():  # (a vmap over zero members has zero seeds: no row count to view by)
         return torch.empty_like(x)
     flat = x.contiguous().view(seed.numel(), -1)
-    y = torch.empty_like(flat)
+    result = torch.empty(x.shape, dtype=x.dtype)  # (written through a view: a view output costs an un-viewing)
+    y = result.view(flat.shape)
     n = flat.shape[1]
     size = _fast.CHUNK_ELEMENTS  # a power of two: a chunk never crosses a 2^32 index boundary
     blocks = -(-n // size)
@@ -243,7 +244,7 @@ def _dropout_fast(x: Tensor, seed: Tensor, p: float) -> Tensor:
 
     if n:
         _fast.parallel_chunks(len(keys) * blocks, (size,), torch.int32, body)
-    return y.view(x.shape)
+    return result
 
 
 def dropout_ref(x: Tensor, seed: Tensor, p: float) -> Tensor:

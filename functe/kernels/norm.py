@@ -267,9 +267,11 @@ def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, z
     """``y``, or for LayerNorm ``(y, mean, rstd)`` (statistics of shape ``x.shape[:-1]``, compute dtype)."""
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
-    y = torch.empty_like(rows)
+    # Results in their own shapes (contiguous, so the kernel's row-major indexing holds): views
+    # returned from a Function cost an un-viewing at its boundary (_backend.unaliased_outputs).
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     stats = kind == "layer"
-    mean = torch.empty(n_rows if stats else 0, dtype=compute_dtype(x.dtype), device=x.device)
+    mean = torch.empty(x.shape[:-1] if stats else 0, dtype=compute_dtype(x.dtype), device=x.device)
     rstd = torch.empty_like(mean)
     if rows.numel():
         block_r, block_n, warps = _tiling(x, kind)
@@ -294,9 +296,7 @@ def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, z
             COMPUTE=tl_compute_dtype(x.dtype),
             num_warps=warps,
         )
-    if not stats:
-        return y.view(x.shape)
-    return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+    return (y, mean, rstd) if stats else y
 
 
 def _bwd(
