@@ -69,6 +69,25 @@ def tree_structure(tree: Any) -> PyTreeSpec:
     return optree.tree_structure(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
+def same_structure(spec: PyTreeSpec, expected: PyTreeSpec) -> bool:
+    """Whether two specs describe the same tree structure.
+
+    Not always ``spec == expected``: a spec made while Dynamo traces is its polyfill of optree's,
+    which keeps the namespace where optree drops it (a tree with no registered node), and a call
+    that Dynamo hands back to eager (aliased arguments) carries it into eager code, where it compares
+    unequal to the same structure flattened by optree. Rebuilt by optree, the two agree.
+    """
+    if spec == expected:
+        return True
+    if spec.num_leaves != expected.num_leaves:
+        return False
+    try:
+        rebuilt = tree_structure(tree_unflatten(expected, [0] * expected.num_leaves))
+    except Exception:  # (a spec optree cannot unflatten describes no tree of ours)
+        return False
+    return rebuilt == spec
+
+
 def tree_map(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
     """Apply ``fn`` leafwise over ``tree`` and structurally identical ``rests``.
 

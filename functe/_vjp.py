@@ -64,7 +64,7 @@ from ._kernel import (
     with_layout,
 )
 from ._rng import RandomState
-from ._tree import PyTreeSpec, tree_flatten, tree_unflatten
+from ._tree import PyTreeSpec, same_structure, tree_flatten, tree_unflatten
 
 Tensor = torch.Tensor
 
@@ -328,7 +328,7 @@ class CustomVJP:
         call = _Call(in_tree, static)
         if mode is _COMPILED:
             _refuse_compiled_transforms(self.name)
-            results = self.compiled_function.apply(call, *leaves)
+            results = self.compiled_function.apply(call, *_distinct_tensors(leaves))
         elif mode is _EAGER:
             results = self._eager_apply(call, *leaves)
         else:
@@ -378,6 +378,26 @@ def custom_vjp(
         constant_residuals=constant_residuals,
         keep_autocast=keep_autocast,
     )
+
+
+def _distinct_tensors(leaves: list) -> list:
+    """``leaves`` with each repeat of a tensor replaced by a view of it.
+
+    Dynamo does not trace ``Function.apply`` given one tensor twice (``layer_norm(x, w, w)``): it
+    breaks the graph and hands the call back to eager. Through a view the op sees the same values,
+    and autograd sums the view's gradient into the tensor's, as it sums the two positions' eagerly.
+    """
+    tensors = [t for t in leaves if isinstance(t, Tensor)]
+    if all(t is not u for i, t in enumerate(tensors) for u in tensors[:i]):
+        return leaves
+    distinct, seen = list(leaves), []
+    for i, t in enumerate(leaves):
+        if isinstance(t, Tensor):
+            if any(t is u for u in seen):
+                distinct[i] = t.view_as(t)
+            else:
+                seen.append(t)
+    return distinct
 
 
 def _refuse_compiled_transforms(name: str) -> None:
@@ -499,7 +519,7 @@ def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list
             flat.extend([None] * tree.num_leaves)
             continue
         ct_leaves, ct_tree = tree_flatten(ct)
-        if ct_tree != tree:
+        if not same_structure(ct_tree, tree):
             raise RuleError(
                 f"functe.{name}: cotangent {index} from the backward rule has structure {ct_tree}, "
                 f"expected the argument's structure {tree}"

@@ -32,14 +32,17 @@ def dact64(z: torch.Tensor, name: str) -> torch.Tensor:
     return d
 
 
-def forward64(x, w, bias=None, residual=None, alpha=1.0, activation=None, sx=None, sw=None):
-    """``(z, y)``: z = alpha·sx·sw·x @ Wᵀ + b, y = act(z) + residual, in float64."""
+def forward64(x, w, bias=None, residual=None, alpha=1.0, activation=None, sx=None, sw=None, pre_dtype=None):
+    """``(z, y)``: z = alpha·sx·sw·x @ Wᵀ + b, y = act(z) + residual, in float64; the activation reads
+    z rounded to ``pre_dtype`` (the unfused linear's output dtype, as the kernels' epilogues do; by
+    default x's dtype: check_kernel passes float64 copies, so pass it there)."""
     z = alpha * (x.to(F64) @ w.to(F64).T)
     if sx is not None:
         z = z * (sx.to(F64) * sw.to(F64))
     if bias is not None:
         z = z + bias.to(F64)
-    y = act64(z, activation)
+    pre_dtype = pre_dtype or x.dtype
+    y = act64(z if activation is None else z.to(pre_dtype).to(F64), activation)
     if residual is not None:
         y = y + residual.to(F64)
     return z, y

@@ -227,7 +227,9 @@ def test_piecewise_linear_backward_keeps_te_special_values_in_plain_autograd(nam
     and inf·0 = NaN, exactly as the float64 formula, both when x is free of NaN/-inf (single-pass
     route) and when it is not (fallback); gated and row-scaled forms through the chunked path (the
     linear half and the scale are ones, so the activated half's gradient is dy·f'(a))."""
-    values = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.0, -3.0, 0.5]
+    # (1e20 and -3e38: dy·2x overflows where x <= 0, and TE's dy·0 is still 0 there; in fp16 they
+    # are infinities)
+    values = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.0, -3.0, 0.5, 1e20, -3e38]
     grid_x, grid_dy = torch.tensor(values).repeat_interleave(len(values)), torch.tensor(values).repeat(len(values))
     clean = ~(grid_x.isnan() | (grid_x == -float("inf")))
     squared = name in ("srelu", "sreglu", "scaled_srelu")

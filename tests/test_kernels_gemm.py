@@ -48,14 +48,14 @@ def _forward_args(epilogue, dtype, x_shape=(M, K), n=N):
 @pytest.mark.parametrize("name", list(EPILOGUES))
 def test_forward_epilogues_vs_twin_and_float64(name, dtype):
     args = _forward_args(EPILOGUES[name], dtype)
-    y = check_kernel(G.GEMM, args, lambda *a: forward64(*a)[1], out_dtypes=[dtype])
+    y = check_kernel(G.GEMM, args, lambda *a: forward64(*a, pre_dtype=dtype)[1], out_dtypes=[dtype])
     assert y.shape == (M, N)
 
 
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 def test_every_activation_with_its_preactivation(activation):
     args = _forward_args({"bias": True, "activation": activation, "alpha": -2.5}, torch.bfloat16)
-    check_kernel(G.GEMM_PREACT, args, lambda *a: tuple(reversed(forward64(*a))))
+    check_kernel(G.GEMM_PREACT, args, lambda *a: tuple(reversed(forward64(*a, pre_dtype=torch.bfloat16))))
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_non_contiguous_and_stride_zero_operands():
     x = make((K, M), torch.float16).t()  # column-major x
     w = make((K, N), torch.float16).t()  # W stored transposed
     res = make((N,), torch.float16).expand(M, N)  # stride-0 rows, as gradients of .sum() arrive
-    check_kernel(G.GEMM, (x, w, None, res, 1.0, "srelu"), lambda *a: forward64(*a)[1])
+    check_kernel(G.GEMM, (x, w, None, res, 1.0, "srelu"), lambda *a: forward64(*a, pre_dtype=torch.float16)[1])
 
 
 def test_large_magnitudes_zeros_and_special_values():
@@ -88,6 +88,26 @@ def test_large_magnitudes_zeros_and_special_values():
     for out in (y, twin):
         assert out[0].isnan().all() and (out[1] == float("inf")).all() and (out[2] == -float("inf")).all()
         assert out[3].isfinite().all()
+
+
+@pytest.mark.parametrize("activation", ["gelu", "qgelu", "silu", "srelu"])
+def test_the_activation_reads_the_preactivation_as_the_unfused_linear_returns_it(activation):
+    # The epilogue applied the activation to the fp32 accumulator: where z overflowed fp16 the fused
+    # output was gelu(-7e4) = -0 while the unfused chain (and the stored z) had gelu(-inf) = NaN, and
+    # the backward, reading the stored z, was NaN under a finite forward.
+    x = torch.tensor([[1.0, 1.0], [1.0, -1.0], [0.5, 0.25]], dtype=torch.float16)
+    w = torch.tensor([[-35000.0, -35000.0], [1.0, 2.0], [3.0, -1.0]], dtype=torch.float16)
+    bias = torch.tensor([0.5, -0.25, 0.125], dtype=torch.float16)
+    args = (x, w, bias, None, 1.0, activation)
+    (y, z), (y_twin, z_twin) = _both(G.GEMM_PREACT, *args)
+    assert z[0, 0] == -float("inf")
+    unfused = G.GEMM.twin(x, w, bias, None, 1.0, None)
+    with functe.use_backend("torch"):
+        unfused = functe.ops.activation(unfused, activation)
+    for out in (y, y_twin):
+        assert torch.equal(out.isnan(), unfused.isnan()), (out, unfused)
+        assert_close(out[~out.isnan()], unfused[~unfused.isnan()])
+    assert torch.equal(z, z_twin)
 
 
 # ----------------------------------------------------------------------------- launch configurations
@@ -113,7 +133,7 @@ def test_persistent_and_grouped_orders_compute_the_same_tiles(monkeypatch):
 def test_other_block_shapes(monkeypatch):
     _swap_config(monkeypatch, BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, GROUP_M=1)
     args = _forward_args(EPILOGUES["bias_gelu"], torch.float16)
-    check_kernel(G.GEMM, args, lambda *a: forward64(*a)[1])
+    check_kernel(G.GEMM, args, lambda *a: forward64(*a, pre_dtype=torch.float16)[1])
 
 
 def test_gpu_autotune_lists():
@@ -197,7 +217,7 @@ def test_fp8_forward_e4m3_operands_every_epilogue(name):
     bias = make((N,), out) if epilogue.get("bias") else None
     res = make((M, N), out) if epilogue.get("residual") else None
     args = (xq, wq, bias, res, epilogue.get("alpha", 1.0), epilogue.get("activation"), sx, sw, out)
-    check_kernel(G.GEMM, args, lambda x, w, b, r, a, act, sx, sw, o: forward64(x, w, b, r, a, act, sx, sw)[1],
+    check_kernel(G.GEMM, args, lambda x, w, b, r, a, act, sx, sw, o: forward64(x, w, b, r, a, act, sx, sw, o)[1],
                  out_dtypes=[out])  # fmt: skip
 
 

@@ -313,3 +313,31 @@ def test_layer_norm_hessian_matches_the_formula():
     for i in range(2):
         for k in range(2):
             torch.testing.assert_close(got[i][k], want[i][k])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [3, 4096], ids=["one-chunk", "chunked"])
+def test_layer_norm_of_rows_with_a_large_mean_is_exact_in_16_bits(dtype, rows):
+    # torch's mixed-precision LayerNorm forms rstd·x − rstd·mean, which cancels where |mean|·rstd is
+    # large: a constant row of 3e4 (y exactly β) came out β + 0.44 in bf16 on the CPU, where TE's
+    # formula subtracts the mean first (as functe's Triton kernel does).
+    torch.manual_seed(0)
+    n = 64
+    x = torch.randn(rows, n) * 3
+    x[::3] = torch.tensor([3e4, -6e4, 1e3])[torch.arange(0, rows, 3) % 3, None]  # constant rows
+    x[1::3] += 5e4  # a large mean with a spread (rounded in 16 bits: nearly constant)
+    x, w, b = x.to(dtype), make((n,), dtype), make((n,), dtype)
+    backends = ["torch", "interpret"] if rows == 3 else ["torch"]
+    for backend in backends:
+        with functe.use_backend(backend):
+            y = ops.layer_norm(x, w, b)
+            y_recorded = ops.layer_norm(x.clone().requires_grad_(), w, b)
+        assert torch.equal(y, y_recorded.detach())
+        assert torch.equal(y[::3], b.expand(y[::3].shape)), backend
+        expected = ln_ref(*as64([x, w, b]))
+        ordinary = torch.arange(rows) % 3 == 2
+        check(y[ordinary], expected[ordinary], "value")
+        # Rows of a large mean and a spread carry fp32's own error, ~|mean|·2^-24/std (TE's too, in
+        # whatever order its kernel sums); the cancellation made it 0.1 to 0.9.
+        spread = torch.arange(rows) % 3 == 1
+        assert (y[spread].double() - expected[spread]).abs().max() < 1e-2 * w.abs().max()

@@ -447,19 +447,20 @@ def _vjp_into(g: Tensor, t: Tensor, name: str, out: Tensor, tmp: Tensor) -> Tens
 
 
 def _srelu_vjp_into(g: Tensor, t: Tensor, out: Tensor, tmp: Tensor | None = None) -> Tensor:
-    """``out ← g·(t > 0 ? 2t : 0)`` (``out`` may be ``g``; ``tmp``: scratch of ``t``'s shape or None;
-    ``t`` in the compute dtype).
+    """``out ← g·(t > 0 ? 2t : 0)`` (``out`` may be ``g`` when ``tmp``, scratch of ``t``'s shape, is
+    given; ``t`` in the compute dtype).
 
-    ``leaky_relu_backward`` with slope 0 applied to 2·g·t (one rounding, as g·(2t)) is TE's formula
-    unless t holds NaN or -inf (there 2·g·t·0 is NaN, TE's g·0 is 0): t's sum rules both out, else
-    the ``where`` form runs (torch.where is ~3x slower than these passes on CPU).
+    TE's factor 2·relu(t) (exact) times g in one rounding: addcmul forms value·tensor1 first. Exact
+    for every t but NaN (relu keeps it; TE's factor is 0): t's sum rules NaN out, else the ``where``
+    form runs (torch.where is ~3x slower than these passes on CPU). (Masking the product g·2t instead
+    made it NaN wherever it overflowed at t <= 0, and at t = -inf.)
     """
     total = float(t.sum())
-    if total != total or total == -math.inf:
+    if total != total:
         mask = torch.where(t > 0, t, t.new_zeros(()), out=tmp)
         return torch.mul(g, mask.mul_(2.0), out=out)
-    torch.addcmul(t.new_zeros(()), g, t, value=2.0, out=out)
-    return _aten.leaky_relu_backward.grad_input(out, t, 0.0, False, grad_input=out)
+    relu = torch.clamp(t, min=0.0, out=out if tmp is None else tmp)
+    return torch.addcmul(t.new_zeros(()), relu, g, value=2.0, out=out)
 
 
 def _clamped_into(a: Tensor, b: Tensor, limit: float, alpha: float, offset: float, out: Tensor, tmp: Tensor):

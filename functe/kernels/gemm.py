@@ -204,7 +204,9 @@ def _gemm_tile(
     if STORE_PRE:
         tl.store(PRE + c_offs, y.to(PRE.dtype.element_ty), mask=c_mask)
     if ACT >= 0:
-        y = act_fwd(y, ACT)
+        # The activation reads the pre-activation as the unfused linear would hand it over (rounded
+        # to its dtype, as stored for the backward): fused and unfused agree, an overflow included.
+        y = act_fwd(y.to(ROUND_TO).to(COMPUTE), ACT)
     if HAS_RES:
         y += tl.load(RES + cm[:, None] * stride_rm + cn[None, :] * stride_rn, mask=c_mask, other=0.0).to(COMPUTE)
     if ROW_SUM:
@@ -400,8 +402,9 @@ def run_gemm(
         "FP8_MAX": fp8_max_value,
         "FP8_MANT": mant,
         "FP8_EMIN": emin,
-        # what the output is rounded to before its amax is taken (quantized outputs: the unfused dtype)
-        "ROUND_TO": tl_dtype(round_to if quant else out.dtype) if want_amax else tl.float32,
+        # what the unfused linear's result would be rounded to (quantized outputs: the unfused dtype),
+        # before its activation and, without one, before its amax is taken
+        "ROUND_TO": tl_dtype(round_to if quant else out.dtype) if want_amax or activation else tl.float32,
         "COMPUTE": tl_compute_dtype(a.dtype),
         "DOT_PRECISION": "ieee" if a.dtype in (torch.float32, torch.float64) else "tf32",
         "SPLIT_ACC": split_accumulator and a.element_size() == 1,
@@ -534,10 +537,11 @@ def _plus(y: Tensor, other: Tensor | None) -> Tensor:
     return y if other is None else y + rows_view(other).to(y.dtype)
 
 
-def forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv):
-    """``(pre_activation, y)`` of the forward GEMM as 2-D fp32 (fp64) tensors, both unrounded."""
+def forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv, pre_dtype):
+    """``(pre_activation, y)`` of the forward GEMM as 2-D fp32 (fp64) tensors, both unrounded; the
+    activation reads the pre-activation rounded to ``pre_dtype`` (the unfused linear's result)."""
     z = linear_ref(rows_view(x), w.t(), bias, x_scale_inv, w_scale_inv, alpha)
-    y = z if activation is None else act_fwd_ref(z, activation)
+    y = z if activation is None else act_fwd_ref(z.to(pre_dtype).to(z.dtype), activation)
     return z, _plus(y, residual)
 
 
@@ -592,7 +596,7 @@ def gemm_ref(
 ) -> Tensor:
     """PyTorch twin of :func:`gemm`."""
     out_dtype = check_forward("gemm", x, w, bias, residual, activation, x_scale_inv, w_scale_inv, out_dtype)
-    _, y = forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv)
+    _, y = forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv, out_dtype)
     return y.to(out_dtype).view(*x.shape[:-1], w.shape[0])
 
 
@@ -629,7 +633,7 @@ def gemm_preact_ref(
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`gemm_preact`."""
     out_dtype = check_forward("gemm_preact", x, w, bias, residual, activation, x_scale_inv, w_scale_inv, out_dtype)
-    z, y = forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv)
+    z, y = forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv, out_dtype)
     shape = (*x.shape[:-1], w.shape[0])
     return y.to(out_dtype).view(shape), z.to(out_dtype).view(shape)
 

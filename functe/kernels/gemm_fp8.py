@@ -88,7 +88,7 @@ def gemm_amax_ref(
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`gemm_amax`."""
     out_dtype = check_forward("gemm_amax", x, w, bias, residual, activation, x_scale_inv, w_scale_inv, out_dtype)
-    _, y = forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv)
+    _, y = forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv, out_dtype)
     y = y.to(out_dtype)
     return y.view(*x.shape[:-1], w.shape[0]), _amax_ref(y)
 
@@ -143,7 +143,7 @@ def gemm_quantize_ref(
     op = "gemm_quantize"
     out_dtype = check_forward(op, x, w, bias, residual, activation, x_scale_inv, w_scale_inv, out_dtype)
     _check_scale(op, scale, fp8_dtype)
-    _, y = forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv)
+    _, y = forward_ref(x, w, bias, residual, alpha, activation, x_scale_inv, w_scale_inv, out_dtype)
     y = y.to(out_dtype)
     q = saturating_cast_ref(y.to(torch.float32) * scale.reshape(()), fp8_dtype)
     return q.view(*x.shape[:-1], w.shape[0]), _amax_ref(y)

@@ -463,11 +463,39 @@ def layer_norm_ref(
             weight, bias = _gamma(weight, zero_centered_gamma, acc), bias.to(acc)
         # (torch.native_layer_norm and squeeze: the same kernel and views as torch.ops.aten's
         # overload and view(x.shape[:-1]) with ~5 us less Python dispatch at small sizes)
+        if x.dtype != acc and x.numel() <= CHUNK_ELEMENTS:  # (see _recompute_cancelled_rows)
+            y, mean, rstd = torch.native_layer_norm(x.to(acc), x.shape[-1:], weight, bias, eps)
+            return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
         y, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], weight, bias, eps)
+        if x.dtype != acc:
+            _recompute_cancelled_rows(y, x, mean, rstd, weight, bias, eps)
         return y, mean.squeeze(-1), rstd.squeeze(-1)
     xhat, rstd, mean = _normalize(x.to(acc), eps, "layer")
     y = (xhat * _gamma(weight, zero_centered_gamma, acc) + bias.to(acc)).to(x.dtype)
     return y, mean.squeeze(-1), rstd.squeeze(-1)
+
+
+_CANCELLING = 256.0
+"""|mean|·rstd above which torch's 16-bit LayerNorm loses accuracy (see _recompute_cancelled_rows)."""
+
+
+def _recompute_cancelled_rows(y: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight, bias, eps: float) -> None:
+    """Rows of a 16-bit ``x`` whose mean is large against their spread, normalized again in fp32 into ``y``.
+
+    torch's mixed-precision LayerNorm forms rstd·x − rstd·mean in fp32, which cancels to an error of
+    ~ulp(|mean|·rstd): a row of a constant 3e4 (x − mean exactly 0, y exactly β) came out β + 0.44,
+    where TE's kernel and functe's subtract the mean first. Its fp32 kernel is exact there, so the
+    rows where |mean|·rstd exceeds 256 (an error below 2^-15, under 16-bit rounding) are redone with
+    it; usually none are, and the check costs one pass over the statistics. Small inputs take the
+    fp32 kernel whole instead (an upcast is cheaper than the check).
+    """
+    ratio = torch.mul(mean.abs(), rstd).view(-1)
+    if not float(ratio.max()) > _CANCELLING:  # (not >: a NaN statistic leaves its row as it is)
+        return
+    rows = torch.nonzero(ratio > _CANCELLING).view(-1)
+    x_rows, y_rows = x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])
+    redone, _, _ = torch.native_layer_norm(x_rows[rows].float(), x.shape[-1:], weight, bias, eps)
+    y_rows[rows] = redone.to(y.dtype)
 
 
 def _layer_norm_grads(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, zero_centered: bool):
