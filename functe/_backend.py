@@ -24,6 +24,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from ._errors import ArgumentError
+from ._scoped import ScopedSetting
 
 BACKENDS = ("auto", "torch", "interpret")
 
@@ -34,9 +35,15 @@ def _validated(name: str, source: str) -> str:
     return name
 
 
+def _publish(name: str) -> None:
+    global _current
+    _current = name
+
+
 # A plain module global, not a ContextVar: torch.compile cannot trace
 # ContextVar.get, and reads of a global are guarded (a change recompiles).
-_current = _validated(os.environ.get("FUNCTE_BACKEND", "auto") or "auto", "FUNCTE_BACKEND")
+_current = "auto"
+_setting = ScopedSetting(_validated(os.environ.get("FUNCTE_BACKEND", "auto") or "auto", "FUNCTE_BACKEND"), _publish)
 
 
 def get_backend() -> str:
@@ -50,7 +57,8 @@ def get_backend() -> str:
 
 
 def set_backend(name: str) -> None:
-    """Set the global backend (``"auto"``, ``"torch"`` or ``"interpret"``).
+    """Set the global backend (``"auto"``, ``"torch"`` or ``"interpret"``): the one in force where no
+    :func:`use_backend` block is open.
 
     Example:
         >>> import functe
@@ -59,13 +67,16 @@ def set_backend(name: str) -> None:
         'torch'
         >>> functe.set_backend(previous)  # (or functe.use_backend for a scoped change)
     """
-    global _current
-    _current = _validated(name, "set_backend")
+    _setting.set_default(_validated(name, "set_backend"))
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
     """Use backend ``name`` inside a ``with`` block.
+
+    The setting is process-wide: while the block is open every thread sees it (the newest open
+    block wins, wherever it was opened), and closing it restores what the other open blocks, or
+    :func:`set_backend`, say (see docs/design.md, "Settings").
 
     Example:
         >>> import torch, functe
@@ -74,12 +85,8 @@ def use_backend(name: str):
         >>> y.tolist()
         [2.0, 2.0, 2.0]
     """
-    global _current
-    previous, _current = _current, _validated(name, "use_backend")
-    try:
+    with _setting.scoped(_validated(name, "use_backend")):
         yield
-    finally:
-        _current = previous
 
 
 # Tensor types that are plain tensors to a kernel: nn.Parameter disables __torch_function__, so

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from ._backend import records
 from ._errors import ArgumentError, DistributedError, DTypeError, ShapeError, check_flag, describe, dtype_name
+from ._scoped import ScopedSetting
 
 Tensor = torch.Tensor
 
@@ -110,7 +111,16 @@ def resolve_group(op: str, group: object, arg: str = "group") -> Group:
 
 # ----------------------------------------------------------------------------- checks
 
-_checks = os.environ.get("FUNCTE_CHECK_COLLECTIVES", "1") not in ("0", "false", "False", "")
+
+def _publish_checks(enabled: bool) -> None:
+    global _checks
+    _checks = enabled
+
+
+_checks = True
+_checks_setting = ScopedSetting(
+    os.environ.get("FUNCTE_CHECK_COLLECTIVES", "1") not in ("0", "false", "False", ""), _publish_checks
+)
 
 
 def set_collective_checks(enabled: bool) -> None:
@@ -123,24 +133,20 @@ def set_collective_checks(enabled: bool) -> None:
     Example:
         >>> set_collective_checks(True)
     """
-    global _checks
-    _checks = check_flag("set_collective_checks", "enabled", enabled)
+    _checks_setting.set_default(check_flag("set_collective_checks", "enabled", enabled))
 
 
 @contextlib.contextmanager
 def collective_checks(enabled: bool) -> Iterator[None]:
-    """:func:`set_collective_checks` for a ``with`` block.
+    """:func:`set_collective_checks` for a ``with`` block (process-wide while open, as
+    :func:`functe.use_backend`).
 
     Example:
         >>> with collective_checks(False):
         ...     pass  # collectives here skip the cross-rank signature check
     """
-    global _checks
-    previous, _checks = _checks, check_flag("collective_checks", "enabled", enabled)
-    try:
+    with _checks_setting.scoped(check_flag("collective_checks", "enabled", enabled)):
         yield
-    finally:
-        _checks = previous
 
 
 # Every torch dtype, in a fixed order (the same torch on every rank): a dtype's code in a signature is its

@@ -21,6 +21,8 @@ op by a scheduler tick).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +100,22 @@ _pool_lock = threading.Lock()
 
 
 def _single_threaded() -> None:
-    torch.set_num_threads(1)  # per thread: the caller's own setting is untouched
+    # Per thread: the caller's own setting is untouched. torch applies the last count any thread set
+    # to a thread lazily, at its first op, so that first happens here, before the setting: else a
+    # user thread's set_num_threads(3) reached a worker (3 OpenMP threads, and results that changed
+    # by an ulp with the thread count).
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
+def _forget_pool() -> None:
+    # A forked child inherits the pool without its threads, and the pool believes its idle workers
+    # exist: the first submission waited forever. The child starts a pool of its own.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
@@ -128,11 +145,12 @@ def parallel_chunks(
     chunks = [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
     threads = min(torch.get_num_threads(), len(chunks))
 
-    def work(first: int, stride: int) -> None:
+    def work(first: int, stride: int, inference: bool = False) -> None:
         # Grad modes are thread-local (on in a fresh thread) and the fast path records nothing: a
         # custom_vjp forward turns forward AD off for its own thread only, and a worker reading a
         # slice of a dual input would otherwise trace its tangent into out= ops, which refuse it.
-        with torch.no_grad(), _set_fwd_grad_enabled(False):
+        # Inference mode too: a worker outside it may not write into an output the caller made in it.
+        with torch.no_grad(), _set_fwd_grad_enabled(False), _inference_mode(inference):
             scratch = Scratch(step, row_shape, dtype)
             for i in range(first, len(chunks), stride):
                 body(i, chunks[i], scratch)
@@ -140,7 +158,11 @@ def parallel_chunks(
     if threads <= 1 or row_elements > CHUNK_ELEMENTS:
         work(0, 1)  # one chunk, one thread, or rows so long that each op is worth parallelising itself
     else:
-        pool = _executor(torch.get_num_threads())
-        for f in [pool.submit(work, t, threads) for t in range(threads)]:
+        pool, inference = _executor(torch.get_num_threads()), torch.is_inference_mode_enabled()
+        for f in [pool.submit(work, t, threads, inference) for t in range(threads)]:
             f.result()
     return len(chunks)
+
+
+def _inference_mode(enabled: bool):
+    return torch.inference_mode() if enabled else contextlib.nullcontext()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 
 import torch
 import triton
@@ -122,18 +123,24 @@ def _recorded(kernel, launch, grid):
     return run
 
 
+_INTERPRETER_LOCK = threading.RLock()
+
+
 def _quiet(launch):
-    """Run an interpreted launch with numpy's floating-point warnings off.
+    """Run an interpreted launch with numpy's floating-point warnings off, one launch at a time.
 
     The interpreter computes with numpy, which warns on overflow to inf and on
     inf - inf; a GPU produces the same IEEE results silently, and kernels rely
-    on them (e.g. ``exp(-x)`` overflowing to inf inside a sigmoid).
+    on them (e.g. ``exp(-x)`` overflowing to inf inside a sigmoid). Triton's
+    interpreter patches the language's builtins for the duration of a launch,
+    process-wide: two threads launching at once broke each other's launches
+    ("_semantic argument must be provided outside of JIT functions").
     """
 
     def run(*args, **kwargs):
         import numpy
 
-        with numpy.errstate(all="ignore"):
+        with _INTERPRETER_LOCK, numpy.errstate(all="ignore"):
             return launch(*args, **kwargs)
 
     return run
