@@ -620,6 +620,9 @@ class _Variant:
         self.source, namespace = _generate(program, plan.forward, self.liveness)
         filename = f"<functe.fuse {name} #{next(_plan_numbers)}>"
         linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
+        # (tracebacks show the plan's lines while it lives; the entry goes with it: a function fused
+        # anew every step, or a plan retraced every step, left ~7 KiB per variant in linecache)
+        weakref.finalize(self, linecache.cache.pop, filename, None)
         exec(compile(self.source, filename, "exec"), namespace)
         # (every path runs the plan with autocast off, as custom_vjp runs rules: the trace recorded
         # autocast's casts as equations, and an opaque op must compute the dtype it recorded)

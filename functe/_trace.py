@@ -502,12 +502,46 @@ def _reachable_storages(fn: Callable) -> set[int]:
     return storages
 
 
-def _named_values(fn: Callable, depth: int = 0) -> list:
+def _named_values(fn: Callable) -> list:
     """What a callable reaches by name: a plain function's closure, defaults and the globals its code
     names; a partial's bound arguments; a bound method's object; a module itself (its parameters and
     buffers); another callable object's attributes; and, for the last three, what their function
     (``forward``, ``__call__``) reaches. (Only plain functions were looked at: ``opaque(module)``
-    lost the module's gradients and ``fuse(module)`` wrote its buffers once.)"""
+    lost the module's gradients and ``fuse(module)`` wrote its buffers once.) The contents of the
+    dicts, lists and tuples among them are included (see :func:`_with_contents`)."""
+    return _with_contents(_reached(fn))
+
+
+_CONTENTS_LIMIT = 10_000
+"""Container entries :func:`_with_contents` looks at, at most (a larger table is not a parameter store)."""
+
+
+def _with_contents(values: list) -> list:
+    """``values`` and the entries of the dicts, lists and tuples among them, nested three levels deep.
+
+    Parameters are usually held in a container (``params["w"]``, a list of layers): a trainable
+    tensor reached through one was not seen, and its gradient was silently lost (0 under
+    ``torch.func.grad``, ``None`` under autograd).
+    """
+    result, level, budget = list(values), list(values), _CONTENTS_LIMIT
+    for _ in range(3):
+        inner = []
+        for v in level:
+            if isinstance(v, (dict, list, tuple)):
+                entries = list(v.values()) if isinstance(v, dict) else list(v)
+                budget -= len(entries)
+                if budget < 0:
+                    return result
+                inner += entries
+        if not inner:
+            break
+        result += inner
+        level = inner
+    return result
+
+
+def _reached(fn: Callable, depth: int = 0) -> list:
+    """:func:`_named_values` without the containers' contents."""
     if isinstance(fn, types.FunctionType):
         values = [c.cell_contents for c in fn.__closure__ or () if _cell_filled(c)]
         values += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
@@ -515,12 +549,12 @@ def _named_values(fn: Callable, depth: int = 0) -> list:
     if depth > 3 or isinstance(fn, types.BuiltinFunctionType):  # (a chain of wrappers: enough levels)
         return []
     if isinstance(fn, functools.partial):
-        return [*fn.args, *fn.keywords.values(), *_named_values(fn.func, depth + 1)]
+        return [*fn.args, *fn.keywords.values(), *_reached(fn.func, depth + 1)]
     if isinstance(fn, types.MethodType):
-        return [*_object_values(fn.__self__), *_named_values(fn.__func__, depth + 1)]
+        return [*_object_values(fn.__self__), *_reached(fn.__func__, depth + 1)]
     if isinstance(fn, torch.nn.Module):
-        return [fn, *_named_values(type(fn).forward, depth + 1)]
-    return [*_object_values(fn), *_named_values(type(fn).__call__, depth + 1)]
+        return [fn, *_reached(type(fn).forward, depth + 1)]
+    return [*_object_values(fn), *_reached(type(fn).__call__, depth + 1)]
 
 
 def _object_values(obj: object) -> list:
@@ -566,12 +600,41 @@ def _output_atom(leaf: Any, t: _Trace, watch: _CapturedWatch):
 
 
 # The op of each opaque function, so that every call of ``opaque(fn)`` gives the same op (a rule can
-# match it). A plain Python function keeps its ops in an attribute: a lambda made anew on every step
-# then takes its op with it when it is dropped (op and function form a cycle the collector frees),
-# instead of growing a global table. Other callables (builtins, bound methods, which compare equal
-# across accesses) are keyed here; there are only as many as the program names.
+# match it). The ops live on the object they belong to (a function, a module or callable object, the
+# object a bound method is bound to), in an attribute: a lambda made anew on every step, or a model
+# made per trial of a sweep, then takes its ops with it when it is dropped (the op and its owner form
+# a cycle the collector frees). A global table kept every module and its parameters alive. Only
+# callables without an attribute dictionary (builtins such as torch.tanh) are keyed here; there are
+# only as many as the program names.
 _OPAQUE: dict[Any, CustomVJP] = {}
 _OPAQUE_ATTR = "__functe_opaque_ops__"
+
+
+class _OpTable:
+    """The opaque ops made for one owner, kept in its ``__dict__``. Not copied or pickled with it
+    (``copy.deepcopy(model)``, ``torch.save(model)``): a copy makes ops of its own."""
+
+    __slots__ = ("ops", "owner")
+
+    def __init__(self, owner: Any = None):
+        self.owner, self.ops = owner, {}
+
+    def __reduce__(self):
+        return (_OpTable, ())
+
+
+def _op_table(fn: Callable, name: str | None) -> tuple[dict, Any]:
+    """The table that keeps ``opaque(fn, name=name)``'s op, and its key there."""
+    owner, key = fn, name
+    if isinstance(fn, types.MethodType):  # (a new bound method object on every attribute access)
+        owner, key = fn.__self__, (fn.__func__, name)
+    attributes = getattr(owner, "__dict__", None)
+    if type(attributes) is not dict:  # (builtins; classes, whose __dict__ is a read-only proxy)
+        return _OPAQUE, (fn, name)
+    table = attributes.get(_OPAQUE_ATTR)
+    if not isinstance(table, _OpTable) or table.owner is not owner:  # (functools.wraps, copy.copy)
+        table = attributes[_OPAQUE_ATTR] = _OpTable(owner)
+    return table.ops, key
 
 
 def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
@@ -596,13 +659,7 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
     """
     if not callable(fn):
         raise ArgumentError(f"functe.opaque: argument 'fn' expected a function, got {describe(fn)}")
-    if isinstance(fn, types.FunctionType):
-        owner_table = fn.__dict__.get(_OPAQUE_ATTR)
-        if owner_table is None or owner_table[0] is not fn:  # (functools.wraps copies the attribute)
-            owner_table = fn.__dict__[_OPAQUE_ATTR] = (fn, {})
-        table, key = owner_table[1], name
-    else:
-        table, key = _OPAQUE, (fn, name)
+    table, key = _op_table(fn, name)
     op = table.get(key)
     if op is None:
         label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"

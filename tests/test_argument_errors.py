@@ -297,6 +297,32 @@ def test_an_opaque_function_that_loses_a_captured_gradient_raises():
     assert_close(torch.autograd.grad(functe.opaque(frozen)(x).sum(), x)[0], frozen.weight.sum(0).expand(3, 4))
 
 
+def test_an_opaque_function_reaching_a_gradient_through_a_container_raises():
+    # Parameters usually live in a dict or a list: a trainable tensor reached through one was not
+    # seen, and its gradient was lost (None under autograd, 0 under torch.func.grad and value_and_grad).
+    w = make((4, 4)).requires_grad_()
+    x = make((2, 4)).requires_grad_()
+    params, layers = {"w": w}, [("fc", {"w": w})]
+
+    class Holder:
+        def __init__(self):
+            self.params = params
+
+        def __call__(self, h):
+            return h @ self.params["w"]
+
+    for fn in [lambda h: h @ params["w"], lambda h: h @ layers[0][1]["w"], Holder()]:
+        with pytest.raises(functe.ArgumentError, match=r"uses f32\[4,4\] that requires grad"):
+            functe.opaque(fn)(x).sum().backward()
+    assert w.grad is None
+
+    def loss(params, state, x):
+        return functe.opaque(lambda h: h @ params["w"])(x).square().sum()
+
+    with pytest.raises(functe.ArgumentError, match=r"which a torch.func transform differentiates"):
+        functe.value_and_grad(loss)({"w": w.detach()}, None, x.detach())
+
+
 def test_an_opaque_function_with_a_captured_constant_traces():
     # Shape inference ran it on meta tensors, which a captured CPU tensor cannot mix with.
     p = make((4,))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import re
@@ -242,6 +243,25 @@ def test_opaque_ops_of_fresh_lambdas_are_freed_and_wrapped_functions_get_their_o
     assert functe.opaque(outer) is not inner_op
     assert functe.opaque(outer)(torch.ones(1)).tolist() == [4.0]
     assert functe.opaque(inner) is inner_op
+
+
+def test_opaque_ops_of_modules_and_bound_methods_are_freed_with_them():
+    # A global table keyed by the module (or by the bound method, which holds its object) kept every
+    # model of a sweep alive with its parameters; the ops now live on the object.
+    from functe import _trace
+
+    before, refs = len(_trace._OPAQUE), []
+    for _ in range(3):
+        model = torch.nn.Linear(4, 4).requires_grad_(False)
+        op, method_op = functe.opaque(model), functe.opaque(model.forward)
+        assert functe.opaque(model) is op and functe.opaque(model.forward) is method_op
+        assert_close(op(torch.ones(2, 4)), model(torch.ones(2, 4)))
+        refs += [weakref.ref(model), weakref.ref(op), weakref.ref(method_op)]
+    copied = copy.deepcopy(model)  # (a copy makes ops of its own; the table is not copied)
+    assert functe.opaque(copied) is not op and functe.opaque(model) is op
+    del model, op, method_op, copied
+    gc.collect()
+    assert len(_trace._OPAQUE) == before and all(r() is None for r in refs)
 
 
 def test_opaque_gradients_match_torch_under_every_transform():
