@@ -319,7 +319,9 @@ def _validate(kind: str, x: Tensor, group: Group, dim: int, who: str) -> None:
 def _local(kind: str, x: Tensor, group: Group, dim: int) -> Tensor:
     """The steps without communication: ``share`` (the identity) and ``slice`` (this rank's part)."""
     if kind == "share":
-        return x
+        # (a view, not x itself: autograd treats a Function's input returned as-is as a view, and
+        # then refuses a jvp that does not return one, under forward-over-reverse)
+        return x.view_as(x)
     size = x.shape[dim] // group.size
     rank = 0 if x.device.type == "meta" else dist.get_rank(dist.distributed_c10d._resolve_process_group(group.name))
     return x.narrow(dim, rank * size, size)

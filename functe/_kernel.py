@@ -277,7 +277,13 @@ def forward_tangents(fn: Callable, primals: tuple, tangents: tuple) -> Any:
     if not forward_ad_active() or _transforms_active():
         _rule_levels.depth = getattr(_rule_levels, "depth", 0) + 1
         try:
-            return torch.func.jvp(fn, tuple(dense(p) for p in primals), tangents)[1]
+            # (as below: an overlapping primal stays when its tangent has its very layout, so an
+            # output that is a view of it gets a view of that tangent; a dense copy's tangent made
+            # functorch write it into the overlapping input's, which torch refuses)
+            same = [
+                p if isinstance(t, Tensor) and p.stride() == t.stride() else dense(p) for p, t in zip(primals, tangents)
+            ]
+            return torch.func.jvp(fn, tuple(same), tangents)[1]
         finally:
             _rule_levels.depth -= 1
     level = _forward_ad._current_level

@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 from ._autocast import without_autocast
 from ._backend import any_tangent, unaliased_outputs
@@ -280,6 +282,8 @@ class CustomVJP:
                     f"custom_vjp {name}: constant_residuals must be plain tensors that require no gradient, "
                     f"got {describe(c)}"
                 )
+        # (rules that close over values: each recorded call checks them, see _refuse_captured_derivatives)
+        self._closures = tuple(f for f in (fwd, bwd) if isinstance(f, types.FunctionType) and f.__closure__)
         if not keep_autocast:
             fwd, bwd = without_autocast(fwd), without_autocast(bwd)
         self.name = name
@@ -325,6 +329,8 @@ class CustomVJP:
             out, _ = _split_result(self.name, self.fwd(*args, **static))
             out_leaves, out_tree = _output_leaves(self.name, out, leaves)
             return out_leaves[0] if out_tree is _LEAF else tree_unflatten(out_tree, out_leaves)
+        if self._closures:
+            _refuse_captured_derivatives(self.name, self._closures)
         call = _Call(in_tree, static)
         if mode is _COMPILED:
             _refuse_compiled_transforms(self.name)
@@ -378,6 +384,48 @@ def custom_vjp(
         constant_residuals=constant_residuals,
         keep_autocast=keep_autocast,
     )
+
+
+def _refuse_captured_derivatives(name: str, rules: tuple) -> None:
+    """Raise if a rule closes over a tensor that autograd or a torch.func transform differentiates.
+
+    The op differentiates its positional arguments only: the derivative through a captured tensor
+    was silently dropped (``jvp`` over ``w`` in ``custom_vjp("f", lambda x: (x * w, None), ...)``
+    gave a zero tangent, ``grad`` a zero gradient), where JAX's ``custom_vjp`` refuses a closed-over
+    value it differentiates. Only closures are read (an op's rules defined at module level pay
+    nothing); the entries of dicts, lists and tuples in them count.
+    """
+    with forward_ad._set_fwd_grad_enabled(True):  # (inside a Function's forward a dual reads as plain)
+        for rule in rules:
+            for cell in rule.__closure__:
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # (an empty cell: a name assigned later)
+                    continue
+                values = list(value.values()) if isinstance(value, dict) else value
+                for v in values if isinstance(values, (list, tuple)) else (values,):
+                    if isinstance(v, Tensor) and (_differentiated(v) or any_tangent((v,))):
+                        raise ArgumentError(
+                            f"functe.{name}: a rule uses {describe(v)} from its closure, and that tensor is "
+                            "differentiated (it requires grad, or a torch.func transform or forward AD "
+                            "differentiates it); the op differentiates its positional arguments only, so "
+                            "its derivative would be lost: pass it as an argument"
+                        )
+
+
+def _differentiated(t: Tensor) -> bool:
+    """Whether autograd (under grad mode) or a torch.func ``grad``/``jvp`` level differentiates ``t``:
+    it requires grad, or a wrapper other than vmap's holds it."""
+    f = torch._C._functorch
+    grad_mode = torch.is_grad_enabled()
+    while True:
+        if grad_mode and t.requires_grad:
+            return True
+        if not f.is_functorch_wrapped_tensor(t):
+            return False
+        if not f.is_batchedtensor(t):  # (a grad or jvp level's wrapper)
+            return True
+        t = f.get_unwrapped(t)
 
 
 def _distinct_tensors(leaves: list) -> list:

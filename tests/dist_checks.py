@@ -319,6 +319,31 @@ def parallel_linear_second_derivatives() -> None:
             assert_close(g, cut(ref), msg=f"{what}: d penalty / d{name}")
 
 
+def parallel_forward_over_reverse() -> None:
+    """Plain forward AD over ``autograd.grad(create_graph=True)`` through the tensor-parallel linears
+    and ``ops.all_reduce`` equals ``torch.func``'s forward-over-reverse (the Hessian-vector product).
+    The backward's ``share`` returned its input as-is and its jvp did not return a view, which
+    autograd refused under a dual level."""
+    import torch.autograd.forward_ad as fwAD
+
+    rank = dist.get_rank()
+    x, w, t = (seeded((4, 6), F64, seed=790 + i) for i in range(3))
+    for mode in ("column", "row", "all_reduce"):
+        xs, ws, ts = (v if mode == "column" else v[:, :3] for v in (x, w, t))
+
+        def loss(x, w, mode=mode):
+            if mode == "all_reduce":
+                return ops.all_reduce(x * (rank + 1.0)).sin().sum()
+            return ops.linear(x, w, tensor_parallel_mode=mode).sin().sum()
+
+        expected = torch.func.jvp(lambda x, loss=loss, ws=ws: torch.func.grad(loss)(x, ws), (xs,), (ts,))[1]
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(xs.clone().requires_grad_(), ts)
+            (grad,) = torch.autograd.grad(loss(dual, ws), dual, create_graph=True)
+            got = fwAD.unpack_dual(grad).tangent
+        assert_close(got, expected, msg=f"{mode}: forward-over-reverse")
+
+
 def fused_row_parallel_backward() -> list[str]:
     """The backward fusions over a row-parallel linear run its backward with its communication
     marks: first-order gradients equal unfused ones, and a gradient penalty through the scaled

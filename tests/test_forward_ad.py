@@ -343,3 +343,20 @@ def test_a_dual_larger_than_one_chunk_runs_the_threaded_fast_path(name):
     want_y, want_t = torch.func.jvp(lambda x: fn(x, w.double()), (x.double(),), (t.double(),))
     assert_close(y, want_y.float(), dtype=torch.float32)
     assert_close(tangent, want_t.float(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name", ["identity", "make_extra_output", "reshape", "constant_scale", "gelu"])
+def test_func_jvp_of_an_expanded_primal_with_an_expanded_tangent(name):
+    # The rule's nested jvp ran on a dense copy of the overlapping primal: an output that is a view
+    # of the input then got a dense tangent, which functorch wrote into the expanded input's
+    # ("more than one element of the written-to tensor refers to a single memory location").
+    fns = {
+        "make_extra_output": lambda x: ops.make_extra_output(x)[0],
+        "reshape": lambda x: ops.reshape(x, (32,)),
+        "constant_scale": lambda x: ops.constant_scale(x, 2.0),
+    }
+    fn = fns.get(name, getattr(ops, name, None))
+    x, t = torch.randn(8, dtype=F64).expand(4, 8), torch.randn(8, dtype=F64).expand(4, 8)
+    y, tangent = torch.func.jvp(fn, (x,), (t,))
+    want_y, want_t = torch.func.jvp(fn, (x.contiguous(),), (t.contiguous(),))
+    assert torch.equal(y, want_y) and torch.equal(tangent, want_t)

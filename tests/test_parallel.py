@@ -215,6 +215,11 @@ def test_parallel_linear_second_derivatives_equal_one_process(pool):
 
 
 @pytest.mark.distributed
+def test_plain_forward_over_reverse_through_parallel_linears(pool):
+    pool.run(checks.parallel_forward_over_reverse)
+
+
+@pytest.mark.distributed
 def test_fused_row_parallel_backward_equals_unfused_to_second_order(pool):
     for fired in pool.run(checks.fused_row_parallel_backward):
         assert fired == ["backward_linear_scale", "backward_linear_bias_activation"]

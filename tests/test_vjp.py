@@ -373,3 +373,29 @@ def test_argument_needs_groups_leaf_flags_by_argument():
     assert argument_needs((False, True), spec(((), (1, 2)))) == (False, True)
     assert argument_needs((False, True, False), spec(((1, 2), 3))) == (True, False)
     assert argument_needs((False, True, False), spec(((1, 2), 3))) == (True, False)  # cached
+
+
+def _scale_by(w):
+    """An op whose rules close over ``w`` (a factory, as users write them)."""
+    return functe.custom_vjp("scale_by_w", lambda x: (x * w, None), lambda _, g: (g * w,))
+
+
+def test_a_rule_closing_over_a_differentiated_tensor_is_refused():
+    # The op differentiates its positional arguments only: jvp over the captured w gave a zero
+    # tangent and grad a zero gradient, silently (JAX's custom_vjp refuses a closed-over value it
+    # differentiates).
+    x, w = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    refused = r"scale_by_w: a rule uses f64\[4\] from its closure, and that tensor is differentiated"
+    with pytest.raises(functe.ArgumentError, match=refused):
+        jvp(lambda w: _scale_by(w)(x), (w,), (torch.ones(4, dtype=torch.float64),))
+    with pytest.raises(functe.ArgumentError, match=refused):
+        grad(lambda w: _scale_by(w)(x).sum())(w)
+    with pytest.raises(functe.ArgumentError, match=refused):
+        _scale_by(w.clone().requires_grad_())(x.clone().requires_grad_())
+    with pytest.raises(functe.ArgumentError, match=refused):  # (inside a container too)
+        params = {"w": w.clone().requires_grad_()}
+        functe.custom_vjp("scale_by_w", lambda x: (x * params["w"], None), lambda _, g: (g,))(x.requires_grad_())
+    # a captured constant is fine, with or without a transform on the arguments
+    x = x.detach()
+    assert torch.equal(grad(lambda x: _scale_by(w)(x).sum())(x), w)
+    assert torch.equal(vmap(_scale_by(w))(x[:, None].expand(4, 4)), x[:, None] * w)
