@@ -299,22 +299,30 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
     Kernels dispatch to their PyTorch twins (which are fake/meta-friendly)
     whatever the backend, and no trace records the nested calls.
     """
-    try:
-        result = _run_forward_rule(op, inputs, params, in_tree, fake=False)
-    except FuncteError:
-        raise
-    except Exception as e:
+    opaque_fn = getattr(op, "opaque_fn", None)
+    # (an opaque function that updates captured state would apply the update once per shape run)
+    state = (
+        contextlib.nullcontext()
+        if opaque_fn is None
+        else _CapturedState(opaque_fn).undone(op.name, "while a trace infers its output shapes")
+    )
+    with state:
         try:
-            # Fake tensors on the real device: a function that uses a tensor it captured (an opaque
-            # function's constant) cannot mix it with meta tensors, but can with fake ones.
-            result = _run_forward_rule(op, inputs, params, in_tree, fake=True)
+            result = _run_forward_rule(op, inputs, params, in_tree, fake=False)
         except FuncteError:
             raise
-        except Exception:
-            raise TraceError(
-                f"functe.trace: cannot infer the output shapes of {op.name} by running its forward rule on "
-                f"shape-only (meta) tensors; is it data-dependent? ({type(e).__name__}: {e})"
-            ) from e
+        except Exception as e:
+            try:
+                # Fake tensors on the real device: a function that uses a tensor it captured (an opaque
+                # function's constant) cannot mix it with meta tensors, but can with fake ones.
+                result = _run_forward_rule(op, inputs, params, in_tree, fake=True)
+            except FuncteError:
+                raise
+            except Exception:
+                raise TraceError(
+                    f"functe.trace: cannot infer the output shapes of {op.name} by running its forward rule on "
+                    f"shape-only (meta) tensors; is it data-dependent? ({type(e).__name__}: {e})"
+                ) from e
     if not (isinstance(result, tuple) and len(result) == 2):
         raise RuleError(f"functe.{op.name}: the forward rule must return (out, residuals), got {describe(result)}")
     return result
@@ -677,7 +685,8 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         def bwd(res, ct, **static):
             args, rng, amp = res
             _refuse_captured_grads(fn, label)
-            with rng.restored(), autocast_as(amp):
+            recompute = _CapturedState(fn).undone(label, "while the backward recomputes it")
+            with rng.restored(), autocast_as(amp), recompute:
                 return vjp_call(fn, args, ct, **static)
 
         op = table[key] = custom_vjp(label, fwd, bwd, keep_autocast=True)
@@ -687,6 +696,50 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
         # (before the op's Function: inside its forward a torch.func wrapper shows no tangent)
         op.precheck = functools.partial(_refuse_captured_transformed, fn, label)
     return op
+
+
+class _CapturedState:
+    """The tensors a function reaches by name that a run may update: module buffers and captured
+    tensors that are not parameters.
+
+    An opaque function runs more than once per call of its op: again in the backward (its graph is
+    recomputed) and, in a trace, on meta or fake tensors to infer shapes. A function that updates
+    captured state (BatchNorm's running statistics and batch count) did so at every run: two updates
+    per training step, and two more from a trace that computed nothing. The forward's own update is
+    the call's; :meth:`undone` takes back the other runs'. (BatchNorm's running statistics are
+    written without a version bump, so values are compared as well as version counters.)
+    """
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, fn: Callable):
+        tensors = []
+        for v in _named_values(fn):
+            if isinstance(v, torch.nn.Module):
+                tensors += v.buffers()
+            elif isinstance(v, Tensor) and not isinstance(v, torch.nn.Parameter):
+                tensors.append(v)
+        # (not a transform's wrapper: a value of the call, not state; nor meta or inference tensors)
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        self.tensors = [t for t in tensors if not wrapped(t) and t.device.type != "meta" and not t.is_inference()]
+
+    @contextlib.contextmanager
+    def undone(self, label: str, during: str, limit: int = 1 << 20):
+        """Run a block and undo what it writes into these tensors (each of up to ``limit`` elements
+        is copied first; a larger one that the block writes is refused)."""
+        saved = [(t, t._version, t.clone() if t.numel() <= limit else None) for t in self.tensors]
+        yield
+        with torch.no_grad():
+            for t, version, old in saved:
+                if old is None:
+                    if t._version != version:
+                        raise TraceError(
+                            f"functe.{label}: the function writes into {describe(t)}, which it reaches by "
+                            f"name, {during}: the write would be applied an extra time; pass the tensor as "
+                            "an argument and return its new value"
+                        )
+                elif t._version != version or not torch.equal(t, old):
+                    t.copy_(old)
 
 
 def _version(a) -> int | None:

@@ -99,6 +99,29 @@ def test_an_opaque_function_may_update_captured_state():
     assert y.shape == (4, 8) and not torch.equal(norm.running_mean, before)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_opaque_module_updates_its_state_once_per_step(fused):
+    # The backward recomputes the function and a trace runs it on meta tensors: BatchNorm's running
+    # statistics moved at every run (momentum applied twice per step, batch count 2; 4 fused, and a
+    # trace alone moved the count by 2).
+    x0 = make((8, 4)) * 3 + 1
+    reference = torch.nn.BatchNorm1d(4, momentum=0.5, affine=False)
+    x = x0.clone().requires_grad_()
+    reference(x).square().sum().backward()
+    norm = torch.nn.BatchNorm1d(4, momentum=0.5, affine=False)
+    op = functe.opaque(norm)
+    run = functe.fuse(lambda x: op(x) * 1.0) if fused else op
+    if fused:
+        run.plan(x0)  # (a trace computes nothing)
+        assert int(norm.num_batches_tracked) == 0 and not norm.running_mean.any()
+    leaf = x0.clone().requires_grad_()
+    run(leaf).square().sum().backward()
+    assert int(norm.num_batches_tracked) == 1
+    assert_close(norm.running_mean, reference.running_mean)
+    assert_close(norm.running_var, reference.running_var)
+    assert_close(leaf.grad, x.grad)
+
+
 def test_donating_an_inference_tensor_outside_inference_mode_computes_out_of_place():
     # (torch raised "Inplace update to inference tensor outside InferenceMode is not allowed")
     with torch.inference_mode():
