@@ -126,7 +126,8 @@ _checks_setting = ScopedSetting(
 def set_collective_checks(enabled: bool) -> None:
     """Turn the cross-rank signature check of every collective on or off (default on).
 
-    Every rank must use the same setting (the check is itself a collective). Off saves one tiny
+    Every rank must use the same setting (the check is itself a collective). Inside an open
+    :func:`collective_checks` block the block's setting stays in force until it closes. Off saves one tiny
     collective and one host synchronisation per call; a mismatch then aborts (gloo) or hangs
     (NCCL) instead of raising. ``FUNCTE_CHECK_COLLECTIVES=0`` turns it off at import.
 

@@ -27,6 +27,7 @@ its gradient would be lost.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import threading
@@ -47,7 +48,7 @@ from ._errors import ArgumentError, FuncteError, RuleError, TraceError, Transfor
 from ._kernel import batched_levels
 from ._oplist import Eqn, Literal, OpList, Var
 from ._rng import RandomState
-from ._tree import tree_flatten, tree_unflatten
+from ._tree import tree_flatten, tree_leaves, tree_unflatten
 from ._vjp import CustomVJP, custom_vjp
 
 Tensor = torch.Tensor
@@ -510,37 +511,56 @@ def _reachable_storages(fn: Callable) -> set[int]:
     return storages
 
 
-def _named_values(fn: Callable) -> list:
+def _named_values(fn: Callable, arguments: Any = ()) -> list:
     """What a callable reaches by name: a plain function's closure, defaults and the globals its code
     names; a partial's bound arguments; a bound method's object; a module itself (its parameters and
     buffers); another callable object's attributes; and, for the last three, what their function
     (``forward``, ``__call__``) reaches. (Only plain functions were looked at: ``opaque(module)``
     lost the module's gradients and ``fuse(module)`` wrote its buffers once.) The contents of the
-    dicts, lists and tuples among them are included (see :func:`_with_contents`)."""
-    return _with_contents(_reached(fn))
+    containers among them are included, except the call's own ``arguments`` (see
+    :func:`_with_contents`)."""
+    return _with_contents(_reached(fn), arguments)
 
 
 _CONTENTS_LIMIT = 10_000
 """Container entries :func:`_with_contents` looks at, at most (a larger table is not a parameter store)."""
 
 
-def _with_contents(values: list) -> list:
-    """``values`` and the entries of the dicts, lists and tuples among them, nested three levels deep.
+def _entries(v: Any) -> Any:
+    """A container's entries (a sized collection), or None for anything else."""
+    if isinstance(v, (list, tuple)):
+        return v
+    if isinstance(v, dict):
+        return v.values()
+    if isinstance(v, types.SimpleNamespace):
+        return vars(v).values()
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):  # (functe.pytree_dataclass states too)
+        return [getattr(v, f.name, None) for f in dataclasses.fields(v)]
+    return None
 
-    Parameters are usually held in a container (``params["w"]``, a list of layers): a trainable
-    tensor reached through one was not seen, and its gradient was silently lost (0 under
-    ``torch.func.grad``, ``None`` under autograd).
+
+def _with_contents(values: list, arguments: Any = ()) -> list:
+    """``values`` and the entries of the containers among them (lists, tuples, dicts, namespaces,
+    dataclasses), nested three levels deep, without the tensors that are the call's ``arguments``.
+
+    Parameters are usually held in a container (``params["w"]``, a list of layers, a state
+    dataclass): a trainable tensor reached through one was not seen, and its gradient was silently
+    lost (``None`` under autograd, 0 under ``torch.func.grad``). A tensor that is also passed as an
+    argument is differentiated as one. Containers past a total of ``_CONTENTS_LIMIT`` entries are
+    not opened (their size is read first).
     """
     result, level, budget = list(values), list(values), _CONTENTS_LIMIT
+    passed = {id(a) for a in tree_leaves(arguments) if isinstance(a, Tensor)} if arguments else ()
     for _ in range(3):
         inner = []
         for v in level:
-            if isinstance(v, (dict, list, tuple)):
-                entries = list(v.values()) if isinstance(v, dict) else list(v)
-                budget -= len(entries)
-                if budget < 0:
-                    return result
-                inner += entries
+            entries = _entries(v)
+            if entries is None:
+                continue
+            budget -= len(entries)
+            if budget < 0:
+                return result
+            inner += [e for e in entries if id(e) not in passed] if passed else entries
         if not inner:
             break
         result += inner
@@ -608,12 +628,12 @@ def _output_atom(leaf: Any, t: _Trace, watch: _CapturedWatch):
 
 
 # The op of each opaque function, so that every call of ``opaque(fn)`` gives the same op (a rule can
-# match it). The ops live on the object they belong to (a function, a module or callable object, the
-# object a bound method is bound to), in an attribute: a lambda made anew on every step, or a model
-# made per trial of a sweep, then takes its ops with it when it is dropped (the op and its owner form
-# a cycle the collector frees). A global table kept every module and its parameters alive. Only
-# callables without an attribute dictionary (builtins such as torch.tanh) are keyed here; there are
-# only as many as the program names.
+# match it). The ops of a plain function, of a module and of a module's bound method live on the
+# function or module, in an attribute: a lambda made anew on every step, or a model made per trial
+# of a sweep, then takes its ops with it when it is dropped (the op and its owner form a cycle the
+# collector frees); a global table kept every module and its parameters alive. Other callables
+# (builtins such as torch.tanh, callable objects, their bound methods) are keyed here: an attribute
+# in a user object's __dict__ changed what vars() and an __eq__ over it see.
 _OPAQUE: dict[Any, CustomVJP] = {}
 _OPAQUE_ATTR = "__functe_opaque_ops__"
 
@@ -637,7 +657,7 @@ def _op_table(fn: Callable, name: str | None) -> tuple[dict, Any]:
     if isinstance(fn, types.MethodType):  # (a new bound method object on every attribute access)
         owner, key = fn.__self__, (fn.__func__, name)
     attributes = getattr(owner, "__dict__", None)
-    if type(attributes) is not dict:  # (builtins; classes, whose __dict__ is a read-only proxy)
+    if not isinstance(owner, (types.FunctionType, torch.nn.Module)) or type(attributes) is not dict:
         return _OPAQUE, (fn, name)
     table = attributes.get(_OPAQUE_ATTR)
     if not isinstance(table, _OpTable) or table.owner is not owner:  # (functools.wraps, copy.copy)
@@ -674,7 +694,7 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
 
         def fwd(*args, **static):
             if forward_ad_active():
-                _refuse_captured_tangents(fn, label)
+                _refuse_captured_tangents(fn, label, args)
             rng = RandomState(args)  # (before fn draws: the backward replays the same draws)
             versions = [_version(a) for a in args]
             out = fn(*args, **static)
@@ -684,7 +704,7 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
 
         def bwd(res, ct, **static):
             args, rng, amp = res
-            _refuse_captured_grads(fn, label)
+            _refuse_captured_grads(fn, label, args)
             recompute = _CapturedState(fn).undone(label, "while the backward recomputes it")
             with rng.restored(), autocast_as(amp), recompute:
                 return vjp_call(fn, args, ct, **static)
@@ -724,7 +744,7 @@ class _CapturedState:
         self.tensors = [t for t in tensors if not wrapped(t) and t.device.type != "meta" and not t.is_inference()]
 
     @contextlib.contextmanager
-    def undone(self, label: str, during: str, limit: int = 1 << 20):
+    def undone(self, label: str, during: str, limit: int = 1 << 16):
         """Run a block and undo what it writes into these tensors (each of up to ``limit`` elements
         is copied first; a larger one that the block writes is refused)."""
         saved = [(t, t._version, t.clone() if t.numel() <= limit else None) for t in self.tensors]
@@ -769,13 +789,13 @@ def _refuse_written_arguments(label: str, args: tuple, versions: list) -> None:
             )
 
 
-def _refuse_captured_grads(fn: Callable, label: str) -> None:
+def _refuse_captured_grads(fn: Callable, label: str, arguments: Any = ()) -> None:
     """Raise if ``fn`` uses a tensor (or a module's parameter) that requires grad without taking it as
     an argument: the opaque op differentiates its arguments only, so that gradient would be lost.
 
     Looks at what ``fn`` reaches by name (:func:`_named_values`: one level deep, at backward time).
     """
-    for v in _named_values(fn):
+    for v in _named_values(fn, arguments):
         if (isinstance(v, Tensor) and v.requires_grad) or (
             isinstance(v, torch.nn.Module) and any(p.requires_grad for p in v.parameters())
         ):
@@ -786,13 +806,13 @@ def _refuse_captured_grads(fn: Callable, label: str) -> None:
             )
 
 
-def _refuse_captured_tangents(fn: Callable, label: str) -> None:
+def _refuse_captured_tangents(fn: Callable, label: str, arguments: Any = ()) -> None:
     """Raise if ``fn`` reaches by name a tensor with a forward-mode tangent: when the op runs as an
     autograd node whose arguments carry none, autograd never calls its ``jvp`` rule, and that
     tangent would be lost. (Read with forward grad mode on: inside a Function's forward it is off,
     and every dual reads as plain.)"""
     with forward_ad._set_fwd_grad_enabled(True):
-        for v in _named_values(fn):
+        for v in _named_values(fn, arguments):
             if isinstance(v, Tensor) and any_tangent((v,)):
                 raise ArgumentError(
                     f"functe.{label}: the function uses {describe(v)}, which carries a forward-mode tangent, "
@@ -813,7 +833,7 @@ def _refuse_captured_transformed(fn: Callable, label: str, leaves: list) -> None
     level the vmap rule runs ``fn`` on it correctly."""
     f = torch._C._functorch
     argument_levels = None  # (the vmap levels batching an argument: computed on the first wrapped capture)
-    for v in _named_values(fn):
+    for v in _named_values(fn, leaves):
         tensors = list(v.parameters()) if isinstance(v, torch.nn.Module) else [v] if isinstance(v, Tensor) else []
         for t in tensors:
             w, top = t, 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import pytest
 import torch
@@ -315,6 +316,20 @@ def test_an_opaque_function_reaching_a_gradient_through_a_container_raises():
         with pytest.raises(functe.ArgumentError, match=r"uses f32\[4,4\] that requires grad"):
             functe.opaque(fn)(x).sum().backward()
     assert w.grad is None
+
+    # a state dataclass and a namespace are containers too; a tensor passed as the argument is not
+    # a capture even when a container the function reaches holds it
+    @functe.pytree_dataclass
+    class Params:
+        w: torch.Tensor
+
+    for holder in (Params(w), types.SimpleNamespace(w=w)):
+        with pytest.raises(functe.ArgumentError, match=r"uses f32\[4,4\] that requires grad"):
+            functe.opaque(lambda h, holder=holder: h @ holder.w)(x).sum().backward()
+    weights = [w]
+    op = functe.opaque(lambda h, v: h @ v if weights else h)
+    (got,) = torch.autograd.grad(op(x.detach(), w).sum(), w)
+    assert_close(got, x.detach().sum(0)[:, None].expand(4, 4))
 
     def loss(params, state, x):
         return functe.opaque(lambda h: h @ params["w"])(x).square().sum()

@@ -143,3 +143,16 @@ def test_interpreted_launches_from_several_threads():
             got = [f.result() for f in [pool.submit(job) for job in jobs * 3]]
     for i, g in enumerate(got):
         assert torch.equal(g, expected[i % len(jobs)])
+
+
+def test_scoped_settings_compile_fullgraph():
+    # (a lock in the blocks' bookkeeping made Dynamo refuse them: "Unsupported context manager")
+    def f(x):
+        with functe.use_backend("torch"), functe.collective_checks(False):
+            return ops.gelu(x) * 2
+
+    torch._dynamo.reset()
+    x = make((3, 8))
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x))
+    assert functe.get_backend() == "auto" and _collectives._checks
+    torch._dynamo.reset()

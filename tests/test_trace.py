@@ -263,6 +263,13 @@ def test_opaque_ops_of_modules_and_bound_methods_are_freed_with_them():
     gc.collect()
     assert len(_trace._OPAQUE) == before and all(r() is None for r in refs)
 
+    class Scale:  # (a callable object: its ops are not written into its __dict__, which vars() shows)
+        def __call__(self, x):
+            return x * 2.0
+
+    scale = Scale()
+    assert torch.equal(functe.opaque(scale)(torch.ones(2)), torch.full((2,), 2.0)) and vars(scale) == {}
+
 
 def test_opaque_gradients_match_torch_under_every_transform():
     ln = functe.opaque(_ln, name="layer_norm")

@@ -489,10 +489,11 @@ def _recompute_cancelled_rows(y: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, 
     it; usually none are, and the check costs one pass over the statistics. Small inputs take the
     fp32 kernel whole instead (an upcast is cheaper than the check).
     """
-    ratio = torch.mul(mean.abs(), rstd).view(-1)
-    if not float(ratio.max()) > _CANCELLING:  # (not >: a NaN statistic leaves its row as it is)
+    # (a comparison, not the max: one NaN row made the max NaN and left every row as it was)
+    cancelling = torch.mul(mean.abs(), rstd).view(-1) > _CANCELLING
+    if not bool(cancelling.any()):
         return
-    rows = torch.nonzero(ratio > _CANCELLING).view(-1)
+    rows = torch.nonzero(cancelling).view(-1)
     x_rows, y_rows = x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])
     redone, _, _ = torch.native_layer_norm(x_rows[rows].float(), x.shape[-1:], weight, bias, eps)
     y_rows[rows] = redone.to(y.dtype)
