@@ -27,7 +27,6 @@ its gradient would be lost.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import threading
@@ -48,8 +47,8 @@ from ._errors import ArgumentError, FuncteError, RuleError, TraceError, Transfor
 from ._kernel import batched_levels
 from ._oplist import Eqn, Literal, OpList, Var
 from ._rng import RandomState
-from ._tree import tree_flatten, tree_leaves, tree_unflatten
-from ._vjp import CustomVJP, custom_vjp
+from ._tree import tree_flatten, tree_unflatten, with_contents
+from ._vjp import CustomVJP, cell_filled, custom_vjp
 
 Tensor = torch.Tensor
 
@@ -305,7 +304,7 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
     state = (
         contextlib.nullcontext()
         if opaque_fn is None
-        else _CapturedState(opaque_fn).undone(op.name, "while a trace infers its output shapes")
+        else _CapturedState(_named_values(opaque_fn)).undone(op.name, "while a trace infers its output shapes")
     )
     with state:
         try:
@@ -518,60 +517,14 @@ def _named_values(fn: Callable, arguments: Any = ()) -> list:
     (``forward``, ``__call__``) reaches. (Only plain functions were looked at: ``opaque(module)``
     lost the module's gradients and ``fuse(module)`` wrote its buffers once.) The contents of the
     containers among them are included, except the call's own ``arguments`` (see
-    :func:`_with_contents`)."""
-    return _with_contents(_reached(fn), arguments)
-
-
-_CONTENTS_LIMIT = 10_000
-"""Container entries :func:`_with_contents` looks at, at most (a larger table is not a parameter store)."""
-
-
-def _entries(v: Any) -> Any:
-    """A container's entries (a sized collection), or None for anything else."""
-    if isinstance(v, (list, tuple)):
-        return v
-    if isinstance(v, dict):
-        return v.values()
-    if isinstance(v, types.SimpleNamespace):
-        return vars(v).values()
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):  # (functe.pytree_dataclass states too)
-        return [getattr(v, f.name, None) for f in dataclasses.fields(v)]
-    return None
-
-
-def _with_contents(values: list, arguments: Any = ()) -> list:
-    """``values`` and the entries of the containers among them (lists, tuples, dicts, namespaces,
-    dataclasses), nested three levels deep, without the tensors that are the call's ``arguments``.
-
-    Parameters are usually held in a container (``params["w"]``, a list of layers, a state
-    dataclass): a trainable tensor reached through one was not seen, and its gradient was silently
-    lost (``None`` under autograd, 0 under ``torch.func.grad``). A tensor that is also passed as an
-    argument is differentiated as one. Containers past a total of ``_CONTENTS_LIMIT`` entries are
-    not opened (their size is read first).
-    """
-    result, level, budget = list(values), list(values), _CONTENTS_LIMIT
-    passed = {id(a) for a in tree_leaves(arguments) if isinstance(a, Tensor)} if arguments else ()
-    for _ in range(3):
-        inner = []
-        for v in level:
-            entries = _entries(v)
-            if entries is None:
-                continue
-            budget -= len(entries)
-            if budget < 0:
-                return result
-            inner += [e for e in entries if id(e) not in passed] if passed else entries
-        if not inner:
-            break
-        result += inner
-        level = inner
-    return result
+    :func:`functe._tree.with_contents`)."""
+    return with_contents(_reached(fn), arguments)
 
 
 def _reached(fn: Callable, depth: int = 0) -> list:
     """:func:`_named_values` without the containers' contents."""
     if isinstance(fn, types.FunctionType):
-        values = [c.cell_contents for c in fn.__closure__ or () if _cell_filled(c)]
+        values = [c.cell_contents for c in fn.__closure__ or () if cell_filled(c)]
         values += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
         return values + [fn.__globals__[n] for n in fn.__code__.co_names if n in fn.__globals__]
     if depth > 3 or isinstance(fn, types.BuiltinFunctionType):  # (a chain of wrappers: enough levels)
@@ -704,8 +657,9 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
 
         def bwd(res, ct, **static):
             args, rng, amp = res
-            _refuse_captured_grads(fn, label, args)
-            recompute = _CapturedState(fn).undone(label, "while the backward recomputes it")
+            reached = _named_values(fn, args)  # (one walk for both: the check and the state kept)
+            _refuse_grads_in(reached, label)
+            recompute = _CapturedState(reached).undone(label, "while the backward recomputes it")
             with rng.restored(), autocast_as(amp), recompute:
                 return vjp_call(fn, args, ct, **static)
 
@@ -732,9 +686,10 @@ class _CapturedState:
 
     __slots__ = ("tensors",)
 
-    def __init__(self, fn: Callable):
+    def __init__(self, reached: list):
+        """``reached``: what the function reaches by name (:func:`_named_values`)."""
         tensors = []
-        for v in _named_values(fn):
+        for v in reached:
             if isinstance(v, torch.nn.Module):
                 tensors += v.buffers()
             elif isinstance(v, Tensor) and not isinstance(v, torch.nn.Parameter):
@@ -793,9 +748,15 @@ def _refuse_captured_grads(fn: Callable, label: str, arguments: Any = ()) -> Non
     """Raise if ``fn`` uses a tensor (or a module's parameter) that requires grad without taking it as
     an argument: the opaque op differentiates its arguments only, so that gradient would be lost.
 
-    Looks at what ``fn`` reaches by name (:func:`_named_values`: one level deep, at backward time).
+    Looks at what ``fn`` reaches by name (:func:`_named_values`, containers opened, the call's
+    ``arguments`` left out), at backward time.
     """
-    for v in _named_values(fn, arguments):
+    _refuse_grads_in(_named_values(fn, arguments), label)
+
+
+def _refuse_grads_in(reached: list, label: str) -> None:
+    """:func:`_refuse_captured_grads` on what the function reaches, already listed."""
+    for v in reached:
         if (isinstance(v, Tensor) and v.requires_grad) or (
             isinstance(v, torch.nn.Module) and any(p.requires_grad for p in v.parameters())
         ):
@@ -874,14 +835,6 @@ def _lowest_differentiating_level() -> float:
     vmap = torch._C._functorch.TransformType.Vmap
     levels = [i.level() for i in retrieve_all_functorch_interpreters() if i.key() != vmap]
     return min(levels, default=math.inf)
-
-
-def _cell_filled(cell) -> bool:
-    try:
-        _ = cell.cell_contents
-    except ValueError:  # (a cell not yet assigned)
-        return False
-    return True
 
 
 def vjp_call(fn: Callable, args: tuple, ct: Any, **static) -> tuple:

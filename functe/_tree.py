@@ -15,10 +15,12 @@ optional argument keeps its position when a call is flattened.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import optree
+import torch
 import torch.utils._pytree as torch_pytree
 
 NAMESPACE = "functe"
@@ -86,6 +88,54 @@ def same_structure(spec: PyTreeSpec, expected: PyTreeSpec) -> bool:
     except Exception:  # (a spec optree cannot unflatten describes no tree of ours)
         return False
     return rebuilt == spec
+
+
+_CONTENTS_LIMIT = 10_000
+"""Container entries :func:`with_contents` looks at, at most (a larger table is not a parameter store)."""
+
+
+def _entries(v: Any) -> Any:
+    """A container's entries (a sized collection), or None for anything else."""
+    if isinstance(v, (list, tuple)):
+        return v
+    if isinstance(v, dict):
+        return v.values()
+    if isinstance(v, types.SimpleNamespace):
+        return vars(v).values()
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):  # (functe.pytree_dataclass states too)
+        return [getattr(v, f.name, None) for f in dataclasses.fields(v)]
+    return None
+
+
+def with_contents(values: list, arguments: Any = ()) -> list:
+    """``values`` and the entries of the containers among them (lists, tuples, dicts, namespaces,
+    dataclasses), nested three levels deep, without the tensors that are the call's ``arguments``.
+
+    What a function reaches by name (an opaque function, a custom_vjp rule's closure) is checked
+    for tensors it would differentiate without taking them as arguments. Parameters are usually
+    held in a container (``params["w"]``, a list of layers, a state dataclass): a trainable tensor
+    reached through one was not seen, and its gradient was silently lost (``None`` under autograd,
+    0 under ``torch.func.grad``). A tensor that is also passed as an argument is differentiated as
+    one. Containers past a total of ``_CONTENTS_LIMIT`` entries are not opened (their size is read
+    first).
+    """
+    result, level, budget = list(values), list(values), _CONTENTS_LIMIT
+    passed = {id(a) for a in tree_leaves(arguments) if isinstance(a, torch.Tensor)} if arguments else ()
+    for _ in range(3):
+        inner = []
+        for v in level:
+            entries = _entries(v)
+            if entries is None:
+                continue
+            budget -= len(entries)
+            if budget < 0:
+                return result
+            inner += [e for e in entries if id(e) not in passed] if passed else entries
+        if not inner:
+            break
+        result += inner
+        level = inner
+    return result
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:

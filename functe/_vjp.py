@@ -66,7 +66,7 @@ from ._kernel import (
     with_layout,
 )
 from ._rng import RandomState
-from ._tree import PyTreeSpec, same_structure, tree_flatten, tree_unflatten
+from ._tree import PyTreeSpec, same_structure, tree_flatten, tree_unflatten, with_contents
 
 Tensor = torch.Tensor
 
@@ -393,24 +393,28 @@ def _refuse_captured_derivatives(name: str, rules: tuple) -> None:
     was silently dropped (``jvp`` over ``w`` in ``custom_vjp("f", lambda x: (x * w, None), ...)``
     gave a zero tangent, ``grad`` a zero gradient), where JAX's ``custom_vjp`` refuses a closed-over
     value it differentiates. Only closures are read (an op's rules defined at module level pay
-    nothing); the entries of dicts, lists and tuples in them count.
+    nothing); the containers in them are opened as :func:`functe.opaque` opens what its function
+    reaches (:func:`functe._tree.with_contents`).
     """
+    captured = [c.cell_contents for rule in rules for c in rule.__closure__ if cell_filled(c)]
     with forward_ad._set_fwd_grad_enabled(True):  # (inside a Function's forward a dual reads as plain)
-        for rule in rules:
-            for cell in rule.__closure__:
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # (an empty cell: a name assigned later)
-                    continue
-                values = list(value.values()) if isinstance(value, dict) else value
-                for v in values if isinstance(values, (list, tuple)) else (values,):
-                    if isinstance(v, Tensor) and (_differentiated(v) or any_tangent((v,))):
-                        raise ArgumentError(
-                            f"functe.{name}: a rule uses {describe(v)} from its closure, and that tensor is "
-                            "differentiated (it requires grad, or a torch.func transform or forward AD "
-                            "differentiates it); the op differentiates its positional arguments only, so "
-                            "its derivative would be lost: pass it as an argument"
-                        )
+        for v in with_contents(captured):
+            if isinstance(v, Tensor) and (_differentiated(v) or any_tangent((v,))):
+                raise ArgumentError(
+                    f"functe.{name}: a rule uses {describe(v)} from its closure, and that tensor is "
+                    "differentiated (it requires grad, or a torch.func transform or forward AD "
+                    "differentiates it); the op differentiates its positional arguments only, so "
+                    "its derivative would be lost: pass it as an argument"
+                )
+
+
+def cell_filled(cell) -> bool:
+    """Whether a closure cell holds a value (an empty one: a name assigned later)."""
+    try:
+        _ = cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def _differentiated(t: Tensor) -> bool:
@@ -435,17 +439,15 @@ def _distinct_tensors(leaves: list) -> list:
     breaks the graph and hands the call back to eager. Through a view the op sees the same values,
     and autograd sums the view's gradient into the tensor's, as it sums the two positions' eagerly.
     """
-    tensors = [t for t in leaves if isinstance(t, Tensor)]
-    if all(t is not u for i, t in enumerate(tensors) for u in tensors[:i]):
-        return leaves
-    distinct, seen = list(leaves), []
+    distinct, seen = None, []
     for i, t in enumerate(leaves):
         if isinstance(t, Tensor):
             if any(t is u for u in seen):
+                distinct = distinct or list(leaves)
                 distinct[i] = t.view_as(t)
             else:
                 seen.append(t)
-    return distinct
+    return leaves if distinct is None else distinct
 
 
 def _refuse_compiled_transforms(name: str) -> None:
