@@ -230,11 +230,13 @@ def _raise_if_ranks_differ_in_kind(rows: list[list[int]], group: Group, who: str
         )
 
 
-def check_same_layout(layout: str, like: Tensor, group: Group, who: str) -> None:
-    """Raise on every rank unless all ranks pass the same ``layout`` (a description of a pytree's
-    structure, shapes and dtypes): a flat buffer of one size can hide different layouts."""
+def check_same_layout(layout: Callable[[], str], like: Tensor, group: Group, who: str) -> None:
+    """Raise on every rank unless all ranks pass the same ``layout()`` (a description of a pytree's
+    structure, shapes and dtypes): a flat buffer of one size can hide different layouts. (A function,
+    called only when the check runs: under torch.compile, which skips it, Dynamo cannot build text.)"""
     if group.size == 1 or _skip_check(like):
         return
+    layout = layout()
     mine = [_LAYOUT, zlib.crc32(layout.encode())] + [0] * (_SIGNATURE_LEN - 2)
     rows = _from_every_rank(mine, like.device, group)
     _raise_if_ranks_differ_in_kind(rows, group, who, lambda row: row[0])

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import optree
 import torch
 
 from ._collectives import check_same_layout, collective, meet_before_raising, resolve_group, stand_in
@@ -59,8 +60,7 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
     if g.size == 1:
         return tree
     if like is not None:
-        layout = f"{spec} " + ", ".join(describe(leaf) for leaf in leaves)
-        check_same_layout(layout, like, g, "all_reduce_gradients")
+        check_same_layout(lambda: _layout(spec, leaves), like, g, "all_reduce_gradients")
     buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, leaf in enumerate(leaves):
         if leaf is not None:
@@ -68,12 +68,28 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
     out = list(leaves)
     for members in buckets.values():
         flat = torch.cat([leaves[i].reshape(-1) for i in members])
-        flat = collective("all_reduce", flat, g, op="sum", who="all_reduce_gradients")
         if average:
+            # (divided before the sum, as DDP does: an fp16 sum of P gradients overflows to inf
+            # where their mean is finite)
             flat = flat / g.size
+        flat = collective("all_reduce", flat, g, op="sum", who="all_reduce_gradients")
         for i, part in zip(members, flat.split([leaves[i].numel() for i in members])):
             out[i] = part.view(leaves[i].shape)
     return tree_unflatten(spec, out)
+
+
+def _layout(spec, leaves: list) -> str:
+    """A pytree's structure, shapes and dtypes as text that is the same in every process: node types
+    by name and leaves by path (a spec's repr shows a defaultdict's factory or a custom node's
+    metadata with its address, which differs between processes for the same tree)."""
+
+    def node(s) -> str:
+        if s.is_leaf():
+            return "*"
+        return f"{s.type.__module__}.{s.type.__qualname__}({','.join(node(c) for c in s.children())})"
+
+    paths = optree.treespec_paths(spec)
+    return node(spec) + " " + ", ".join(f"{path}: {describe(leaf)}" for path, leaf in zip(paths, leaves))
 
 
 def data_parallel_value_and_grad(

@@ -26,6 +26,7 @@ record the forward plan runs directly, without residuals.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import inspect
@@ -529,6 +530,7 @@ class Plan:
         # change), with their version counters and requires_grad: an in-place update, or a tensor
         # starting to require grad, makes the plan stale (retraced), see _trace._CapturedWatch.
         self.sources = [(weakref.ref(t), t._version, t.requires_grad, _trace.storage_of(t)) for t in sources]
+        self.bindings: list[tuple] = []  # (see bind)
         self.checks_captured = bool(self._captured or self._opaque_eqns)
         full = self.variant(None)
         self.liveness, self.source, self.infer, self.op = full.liveness, full.source, full.infer, full.op
@@ -556,9 +558,34 @@ class Plan:
             for e in variant.dead_opaque:
                 e.op.opaque_check()
 
+    def bind(self, modules: list[torch.nn.Module], sources: list[Tensor]) -> None:
+        """Remember which parameters and buffers of ``modules`` the plan took as constants (captured
+        tensors it reads, folded constants' ``sources``), by their names and metadata: see :meth:`stale`."""
+        taken = {id(t) for t in self._captured} | {id(t) for t in sources}
+        for owner in modules:
+            named = itertools.chain(
+                owner.named_parameters(remove_duplicate=False), owner.named_buffers(remove_duplicate=False)
+            )
+            for name, t in named:
+                if id(t) in taken:
+                    taken.discard(id(t))  # (once: a tied weight, or a submodule also reached by name)
+                    self.bindings.append((owner, tuple(name.split(".")), t, t.dtype, t.shape, t.device))
+
+    @property
+    def watches(self) -> bool:
+        """Whether :meth:`stale` has anything to check."""
+        return bool(self.sources or self.bindings)
+
     def stale(self) -> bool:
         """Whether a captured tensor the trace folded into a constant changed in place since, or
-        started (or stopped) requiring grad (the retrace decides whether that gradient can flow)."""
+        started (or stopped) requiring grad (the retrace decides whether that gradient can flow);
+        or whether a parameter or buffer of the fused module that the plan took as a constant now
+        names another tensor (``torch.func.functional_call``, ``load_state_dict(assign=True)``) or has
+        another dtype, shape or device (``module.half()`` swaps its ``.data``)."""
+        for owner, path, t, dtype, shape, device in self.bindings:
+            now = functools.reduce(getattr, path, owner)
+            if now is not t or t.dtype != dtype or t.device != device or t.shape != shape:
+                return True
         for ref, version, requires_grad, storage in self.sources:
             t = ref()
             if t is not None and (
@@ -927,7 +954,7 @@ class Fused:
             ) from None
         if index is None:
             index = self._new_plan(key, leaves, args, kwargs)
-        elif self._plans[index].sources and self._plans[index].stale():
+        elif self._plans[index].watches and self._plans[index].stale():
             index = self._new_plan(key, leaves, args, kwargs, stale=index)
         return index, tensors
 
@@ -943,11 +970,16 @@ class Fused:
             program = trace_call(self.__wrapped__, args, kwargs, sources)
             self.trace_count += 1
             plan = Plan(program, self.rules, self.recipe, self.__name__, list(sources.values()))
+            # (the modules fn reaches by name: a plan that took some of their parameters or buffers
+            # as constants checks at each call that their names still give those tensors)
+            modules = {id(v): v for v in _trace._reached(self.__wrapped__) if isinstance(v, torch.nn.Module)}
+            if modules:
+                plan.bind(list(modules.values()), list(sources.values()))
             if stale is not None:  # (same signature: the plan is replaced in place)
                 self._plans[stale] = plan
                 self.stale_retraces += 1
                 if self.stale_retraces == RETRACE_WARNING:
-                    self._warn_stale(sources)
+                    self._warn_stale(plan)
                 return stale
             self._plans.append(plan)
             index = self._index[key] = len(self._plans) - 1
@@ -956,13 +988,15 @@ class Fused:
             self._last_key = key
             return index
 
-    def _warn_stale(self, sources: dict) -> None:
-        """Warn once that in-place updates of captured tensors keep invalidating folded constants."""
-        read = ", ".join(describe(t) for t in list(sources.values())[:3])
+    def _warn_stale(self, plan: Plan) -> None:
+        """Warn once that changes to captured tensors keep invalidating plans."""
+        read = [t for t in (ref() for ref, *_ in plan.sources) if t is not None]
+        read += [t for _, _, t, *_ in plan.bindings]
+        shown = ", ".join(describe(t) for t in read[:3])
         warnings.warn(
-            f"functe.fuse({self.__name__}) has retraced {self.stale_retraces} times because captured tensors that "
-            f"its folded constants read ({read}) changed in place; pass tensors that change (weights an optimizer "
-            "updates) as arguments",
+            f"functe.fuse({self.__name__}) has retraced {self.stale_retraces} times because tensors it captured "
+            f"({shown}) changed in place, or a module's attribute names another tensor (functional_call); pass "
+            "tensors that change (weights an optimizer updates) as arguments",
             RetraceWarning,
             stacklevel=5,
         )
@@ -987,6 +1021,15 @@ class Fused:
     def plan(self, *args, **kwargs) -> Plan:
         """The :class:`Plan` for these arguments (tracing ``fn`` if this signature is new)."""
         return self._plan_and_tensors(args, kwargs)[0]
+
+    def __deepcopy__(self, memo: dict) -> Fused:
+        # A copy traces afresh: the plans' generated functions hold the original's captured tensors
+        # in their globals, which deepcopy does not copy (functions are atomic to it), so a copied
+        # plan computed with the original module's weights.
+        new = Fused.__new__(Fused)
+        memo[id(self)] = new  # (before the function: a module's copy refers back to this one)
+        new.__init__(copy.deepcopy(self.__wrapped__, memo), self.rules, self.recipe)
+        return new
 
     def __repr__(self):
         return f"fuse({self.__name__})"

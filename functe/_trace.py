@@ -701,13 +701,24 @@ class _CapturedState:
     @contextlib.contextmanager
     def undone(self, label: str, during: str, limit: int = 1 << 16):
         """Run a block and undo what it writes into these tensors (each of up to ``limit`` elements
-        is copied first; a larger one that the block writes is refused)."""
-        saved = [(t, t._version, t.clone() if t.numel() <= limit else None) for t in self.tensors]
-        yield
-        with torch.no_grad():
+        is copied first; a larger one that the block writes is refused), also when it raises."""
+        # (outside any trace's recording: the copies and the comparison are not the function's reads,
+        # which would make the state a folded constant's source, and the restore is not its write)
+        with _recording(None):
+            saved = [(t, t._version, t.clone() if t.numel() <= limit else None) for t in self.tensors]
+        try:
+            yield
+        except BaseException:
+            self._restore(saved, label, during, refuse=False)
+            raise
+        self._restore(saved, label, during, refuse=True)
+
+    @staticmethod
+    def _restore(saved: list, label: str, during: str, refuse: bool) -> None:
+        with _recording(None), torch.no_grad():
             for t, version, old in saved:
                 if old is None:
-                    if t._version != version:
+                    if refuse and t._version != version:
                         raise TraceError(
                             f"functe.{label}: the function writes into {describe(t)}, which it reaches by "
                             f"name, {during}: the write would be applied an extra time; pass the tensor as "
@@ -1089,6 +1100,12 @@ _METADATA = {
     T.__len__,
     T.__hash__,
     T.get_device,
+    T.is_inference,
+    T.storage_offset,
+    T.is_leaf.__get__,
+    T._version.__get__,
+    T.is_sparse.__get__,
+    T.is_quantized.__get__,
 }
 
 # Calls that read a tensor's metadata only (the trace's folded-constant watch skips them), and

@@ -8,6 +8,7 @@ the test as the rank's traceback.
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import math
@@ -522,6 +523,36 @@ def amax_reduction_keeps_nan_and_inf() -> None:
             assert torch.equal(amax.isnan(), torch.tensor(bad).isnan()) and scale.item() == 1.0, what
 
 
+def data_parallel_fp8_states() -> None:
+    """Data parallelism with ``amax_group``: states equal one process's over the whole batch, a forward
+    without a backward communicates nothing, and a frozen weight skips its wgrad."""
+    from functe.ops import _fp8_linear
+
+    recipe, world_group = RECIPES["delayed"], {"amax_group": dist.group.WORLD}
+    x, w, dy = seeded((8, 16), seed=1200, scale=3.0), seeded((8, 16), seed=1201), seeded((8, 8), seed=1202)
+    loss = functools.partial(_fp8_unbiased_loss, recipe=recipe)
+    single = replicas = _fp8_state(recipe)
+    for step in range(3):  # (a sum loss: each rank's dy rows are the whole batch's)
+        xs = x * (step + 1)
+        _, _, single = functe.value_and_grad(loss)({"w": w}, single, xs, dy)
+        step_fn = functe.value_and_grad(functools.partial(loss, **world_group))
+        _, _, replicas = step_fn({"w": w}, replicas, part(xs, 0), part(dy, 0))
+    for a, b in zip(functe.tree_leaves(replicas), functe.tree_leaves(single)):
+        assert torch.equal(a, b) and same_on_all_ranks(a)
+    with torch.no_grad():  # (each forward reduced its amaxes: unequal evaluation shards waited forever)
+        for _ in range(1 + rank()):
+            ops.fp8_linear(part(x, 0), w, None, replicas, recipe=recipe, **world_group)
+    assert ops.all_reduce(torch.ones(1)).item() == world()
+    gemms, real = [], _fp8_linear.gemm_nt
+    _fp8_linear.gemm_nt = lambda *a, **k: gemms.append(1) or real(*a, **k)
+    try:
+        frozen = lambda p, s, dy: (ops.fp8_linear(p["x"], w, None, s, recipe=recipe, **world_group) * dy).sum()
+        _, grads, _ = functe.value_and_grad(frozen)({"x": part(x, 0)}, replicas, part(dy, 0))
+    finally:
+        _fp8_linear.gemm_nt = real
+    assert len(gemms) == 2 and grads["x"].shape == part(x, 0).shape  # forward and dgrad (wgrad ran too)
+
+
 def delayed_states_agree(steps: int, sequence_parallel: bool) -> list[float]:
     """A tensor-parallel FP8 MLP trained for ``steps``: states identical across ranks and equal to one process's."""
     ex = example_module()
@@ -611,6 +642,18 @@ def layouts_hidden_by_one_size() -> list[str]:
     assert functe.all_reduce_gradients({"w": torch.ones(2)})["w"].tolist() == [1.0, 1.0]  # same layout: fine
     assert functe.all_reduce_gradients({"w": None}) == {"w": None}  # None everywhere: fine too
     return messages
+
+
+def awkward_gradient_trees() -> None:
+    """Gradient averages that only the order of sum and division decides, trees whose spec repr
+    differs between processes, and the reduction compiled with fullgraph."""
+    sign = 1 - 2 * rank()
+    half = functe.all_reduce_gradients({"g": torch.tensor([40000.0, 60000.0 * sign], dtype=torch.float16)})
+    assert half["g"].tolist() == [40000.0, 0.0]  # (summed first: [inf, nan] on every rank)
+    tree = collections.defaultdict(lambda: None, {"a": torch.full((2,), float(rank()))})
+    assert functe.all_reduce_gradients(tree)["a"].tolist() == [0.5, 0.5]  # (a lambda's address: ShapeError)
+    compiled = torch.compile(functe.all_reduce_gradients, backend="eager", fullgraph=True)
+    assert compiled({"w": torch.full((3,), float(rank()))})["w"].tolist() == [0.5] * 3
 
 
 def argument_error_on_one_rank() -> list[str]:
@@ -752,8 +795,8 @@ def data_parallel_step() -> None:
     mixed = functe.all_reduce_gradients(mixed)
     assert mixed["a"].tolist() == [(world() - 1) / 2] * 2 and mixed["h"].dtype == torch.bfloat16
     assert math.isclose(mixed["h"][0].item(), 1.0)
-    # FP8 replicas reduce their amaxes over the world (amax_group) so their states agree; fused, the
-    # q-in and dact + cast fusions fired and each replica's state followed its own batch
+    # FP8 replicas reduce their amaxes over the world (amax_group) so their states agree, fused too
+    # (where the FP8 fusions decline: the fused FP8 ops do not reduce amaxes)
     recipe = functe.DelayedScaling(amax_history_len=2)
 
     def block(x, w, state):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import threading
 import warnings
@@ -274,6 +275,70 @@ class _Residual(torch.nn.Module):
     def forward(self, x):
         h = self.a(x) + x
         return self.b(h) + h
+
+
+class _FrozenBlock(torch.nn.Module):
+    """A frozen module whose forward is a fused bound method reading its weights by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(make((8, 8), F64), requires_grad=False)
+        self.register_buffer("g", make((8,), F64))
+        self.fused = functe.fuse(self._impl)
+
+    def _impl(self, x):
+        return ops.rms_norm(ops.linear(x, self.w), self.g)
+
+    def forward(self, x):
+        return self.fused(x)
+
+
+def _frozen_block_reference(w, g, x):
+    h = x @ w.T
+    return h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-5) * g
+
+
+def test_a_fused_module_under_functional_call_uses_the_tensors_given():
+    # The plan held the weights it captured at its trace: functional_call computed with the module's
+    # own weights (or, called first, left the substituted ones in place for later calls), and
+    # torch.func.grad through it came out zero, silently.
+    block, x = _FrozenBlock(), make((4, 8), F64)
+    w, g = make((8, 8), F64), make((8,), F64)
+    own = _frozen_block_reference(block.w, block.g, x)
+    assert_close(block(x), own)
+    out = torch.func.functional_call(block, {"w": w, "g": g}, (x,))
+    assert_close(out, _frozen_block_reference(w, g, x))
+    assert_close(block(x), own)
+    with pytest.raises(functe.TraceError, match="captured from the enclosing scope requires gradients"):
+        torch.func.grad(lambda w: torch.func.functional_call(block, {"w": w}, (x,)).sum())(w)
+    with torch.no_grad():  # (load_state_dict(assign=True) rebinds the names too)
+        block.load_state_dict({"w": torch.nn.Parameter(w, requires_grad=False), "g": g}, assign=True)
+    assert_close(block(x), _frozen_block_reference(w, g, x))
+
+
+def test_a_deep_copy_of_a_fused_module_computes_with_its_own_weights():
+    # (the copied plans' generated functions kept the original's weights in their globals)
+    block, x = _FrozenBlock(), make((4, 8), F64)
+    block(x)
+    twin = copy.deepcopy(block)
+    with torch.no_grad():
+        twin.w.mul_(-2.0)
+    assert_close(twin(x), _frozen_block_reference(twin.w, twin.g, x))
+    assert_close(block(x), _frozen_block_reference(block.w, block.g, x))
+
+
+def test_a_module_converted_after_the_trace_is_checked_as_eager():
+    # (module.half() swaps its parameters' .data: the cached plan ran with an f16 weight and failed
+    # inside torch, "expected m1 and m2 to have the same dtype")
+    norm = torch.nn.LayerNorm(8).requires_grad_(False)
+    fused = functe.fuse(lambda x: ops.layer_norm(x, norm.weight, norm.bias))
+    x = make((4, 8))
+    assert_close(fused(x), torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias))
+    norm.to(torch.bfloat16)
+    with pytest.raises(functe.DTypeError, match=r"layer_norm: argument 'weight' .* got bf16\[8\]"):
+        fused(x)
+    y = fused(x.bfloat16())
+    assert y.dtype == torch.bfloat16 and fused.trace_count == 2  # (the f32 retrace raised)
 
 
 def test_functional_call_over_a_module_params_dict():

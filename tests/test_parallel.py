@@ -270,6 +270,19 @@ def test_data_parallel_step_averages_gradients(pool):
 
 
 @pytest.mark.distributed
+def test_data_parallel_fp8_states_match_one_process(pool):
+    pool.run(checks.data_parallel_fp8_states, timeout=120)
+
+
+@pytest.mark.distributed
+def test_gradient_averages_of_awkward_trees(pool):
+    # fp16 gradients whose mean fits but whose sum does not came back inf; a defaultdict with a lambda
+    # factory (its repr holds an address) was refused as a layout mismatch; fullgraph compile failed
+    # building the layout text that the compiled reduction never checks.
+    pool.run(checks.awkward_gradient_trees, timeout=120)
+
+
+@pytest.mark.distributed
 def test_mismatched_shapes_raise_the_same_error_on_every_rank(pool):
     messages = pool.run(checks.mismatched_shapes)
     assert messages[0][:-1] == messages[1][:-1]  # the last names each rank's own op

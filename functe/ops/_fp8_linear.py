@@ -112,13 +112,17 @@ def forward_quantized(
     )
     y = reduce_output("fp8_linear", y.reshape(*gathered_shape(x_shape[:-1], parallel), weight.shape[0]), bias, parallel)
     next_states = None
-    if delayed:
-        amax_x, amax_w = reduce_amax("fp8_linear", (amax_x, amax_w), parallel)
+    if delayed and (parallel is None or parallel.amax_group.size == 1):
         next_states = (
             update_state(state.input, amax_x, recipe=recipe, role="input"),
             update_state(state.weight, amax_w, recipe=recipe, role="weight"),
             state.grad_output,
         )
+    elif delayed:
+        # Amaxes reduced over ranks feed the next states only, which come back through the backward:
+        # they are reduced there with dy's, in one collective (as TE reduces once per step), and a
+        # forward without a backward (inference, evaluation on unequal shards) communicates nothing.
+        next_states = (state.input, state.weight, state.grad_output, amax_x, amax_w)
     residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x_shape, dtype)
     return y, residuals
 
@@ -131,8 +135,8 @@ def _store(recipe: Recipe, role: str, like: Tensor, native: bool, dtype: torch.d
 
 def _bwd(res, dy, *, recipe, parallel=None, needs_input_grad=(True,) * 4):
     # Only the wanted GEMMs (a frozen weight skips wgrad; not under tensor parallelism, whose
-    # collectives must match on every rank).
-    want = (True, True) if parallel is not None else needs_input_grad[:2]
+    # collectives must match on every rank: see _collective_gradients).
+    want = (True, True) if _collective_gradients(parallel) else needs_input_grad[:2]
     if isinstance(recipe, MXFP8BlockScaling):
         return _mx_bwd(res, dy, recipe, parallel, want)
     # column+sp gathers the saved FP8 input again (as TE), row+sp gathers dy (high precision)
@@ -171,8 +175,13 @@ def backward_quantized(res, dyq, sdy, amax_dy, *, recipe, parallel=None, want=(T
     dw = gemm_nt(dyq.t(), sinv_dy, xq.t(), sinv_x, out_dtype=dtype, native=native) if want[1] else None
     state_ct = None
     if next_states is not None:
-        new_in, new_w, go_state = next_states
-        (amax_dy,) = reduce_amax("fp8_linear", (amax_dy,), parallel)
+        if len(next_states) == 5:  # (the forward's amaxes wait for this reduction, see forward_quantized)
+            in_state, w_state, go_state, amax_x, amax_w = next_states
+            amax_x, amax_w, amax_dy = reduce_amax("fp8_linear", (amax_x, amax_w, amax_dy), parallel)
+            new_in = update_state(in_state, amax_x, recipe=recipe, role="input")
+            new_w = update_state(w_state, amax_w, recipe=recipe, role="weight")
+        else:
+            new_in, new_w, go_state = next_states
         new_go = update_state(go_state, amax_dy, recipe=recipe, role="grad_output")
         state_ct = LinearScalingState(
             input=as_cotangent(new_in), weight=as_cotangent(new_w), grad_output=as_cotangent(new_go)
@@ -229,12 +238,18 @@ def _mx_bwd(res, dy, recipe, parallel=None, want=(True, True)):
     return dx, dw, dbias, None
 
 
+def _collective_gradients(parallel) -> bool:
+    """Whether both gradients run whatever is wanted: tensor parallelism's collectives must match on
+    every rank (an ``amax_group`` alone reduces amaxes only: a frozen weight still skips wgrad)."""
+    return parallel is not None and parallel.mode is not None
+
+
 def _prune(res, *, recipe, parallel=None, needs_input_grad):
     """The residuals the wanted gradients read: wgrad the quantized input and its scale, dgrad the
     weight's (all of them under tensor parallelism, where every gradient runs; the delayed-scaling
     states always, for the grad-output scale and the state cotangent)."""
     want_dx, want_dw = needs_input_grad[:2]
-    if parallel is not None or (want_dx and want_dw):
+    if _collective_gradients(parallel) or (want_dx and want_dw):
         return res
     if isinstance(recipe, MXFP8BlockScaling):
         return linear_prune(res, needs_input_grad=needs_input_grad[:3])
@@ -283,9 +298,11 @@ def fp8_linear(
         tensor_parallel_mode, sequence_parallel, group: tensor parallelism as in
             :func:`functe.ops.linear`.
         amax_group: the ``ProcessGroup`` over which amaxes are MAX-reduced under delayed
-            scaling, so that states stay identical across its ranks (default: the
-            tensor-parallel group; pass the data-parallel or the world group to include data
-            parallelism, as TE's ``fp8_group``).
+            scaling (in the backward, with dy's), so that states stay identical across its ranks
+            (default: the tensor-parallel group, so under pure data parallelism nothing is
+            reduced, unlike TE's default of the world; pass the data-parallel or the world group,
+            as TE's ``fp8_group``). FP8 fusions decline for a linear with an ``amax_group`` of
+            more than one rank (docs/parallel.md, "Fusion rules").
         seed: NVFP4 only (ignored by the deterministic recipes): a Python int or ``i64[]`` tensor,
             the random bits of the Hadamard transform and stochastic rounding. Pass a new seed
             each step; required unless the recipe disables both.
