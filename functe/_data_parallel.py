@@ -60,7 +60,7 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
     if g.size == 1:
         return tree
     if like is not None:
-        check_same_layout(lambda: _layout(spec, leaves), like, g, "all_reduce_gradients")
+        check_same_layout(lambda: f"{_layout(spec, leaves)} average={average}", like, g, "all_reduce_gradients")
     buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, leaf in enumerate(leaves):
         if leaf is not None:

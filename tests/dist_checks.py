@@ -637,6 +637,7 @@ def layouts_hidden_by_one_size() -> list[str]:
         lambda: ops.all_reduce(torch.ones(*[1] * 12, *((2, 3) if r == 0 else (3, 2)))),
         # (a rank whose leaves are all None returned at once, and rank 0 waited until the timeout)
         lambda: functe.all_reduce_gradients({"w": torch.ones(2) if r == 0 else None}),
+        lambda: functe.all_reduce_gradients({"w": torch.ones(2)}, average=r == 0),  # (a mean on one rank only)
     ]
     messages = _errors_of(cases, functe.ShapeError)
     assert functe.all_reduce_gradients({"w": torch.ones(2)})["w"].tolist() == [1.0, 1.0]  # same layout: fine
