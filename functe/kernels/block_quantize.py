@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .._kernel import Kernel, Rowwise
 from . import _act, _fast
-from ._common import rows_view
+from ._common import outside_compiled_graphs, rows_view
 from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
 from .activation import activation_ref
 from .quantize import (
@@ -378,6 +378,8 @@ def _fp8_block_rows(mat, act, limit, alpha, offset, qdtype, out_dtype, block_row
 
 def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
     n_cols = act_layout(x, act)[3]
+    if n_cols % BLOCK and torch.compiler.is_compiling():  # (a partial last block: see outside_compiled_graphs)
+        return _fp8_block_ref_eager(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps)
     args = (act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps)
     q = torch.empty((math.prod(x.shape[:-1]), n_cols), dtype=out_dtype, device=x.device)
     scale_inv = torch.empty((-(-q.shape[0] // block_rows), -(-n_cols // BLOCK)), dtype=torch.float32, device=x.device)
@@ -385,6 +387,9 @@ def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, 
         q, scale_inv = _fp8_block_rows(rows_view(x), *args)
     lead = x.shape[:-1] if block_rows == 1 else scale_inv.shape[:1]
     return q.reshape(*x.shape[:-1], n_cols), scale_inv.reshape(*lead, scale_inv.shape[-1])
+
+
+_fp8_block_ref_eager = outside_compiled_graphs(_fp8_block_ref)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -563,10 +568,16 @@ def fp8_block_dequantize(data: Tensor, scale_inv: Tensor, block_rows: int, out_d
 
 def expand_block_scales(scales: Tensor, shape: torch.Size, block_rows: int, block_cols: int) -> Tensor:
     """Per-element fp32 scales of a tensor of ``shape`` from its block scales (1-D or 2-D blocks)."""
+    partial = shape[-1] % block_cols or (block_rows > 1 and shape[0] % block_rows)
+    if partial and torch.compiler.is_compiling():  # (see outside_compiled_graphs)
+        return _expand_block_scales_eager(scales, shape, block_rows, block_cols)
     s = scales.to(torch.float32)
     if block_rows > 1:
         s = s.index_select(0, block_index(shape[0], block_rows, s.device))
     return s.index_select(-1, block_index(shape[-1], block_cols, s.device))
+
+
+_expand_block_scales_eager = outside_compiled_graphs(expand_block_scales)
 
 
 def block_index(n: int, block: int, device: torch.device) -> Tensor:
