@@ -73,10 +73,11 @@ def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
         if leaf is not None and not isinstance(leaf, torch.Tensor):
             raise StateError(f"functe.tree_from_dict: template leaf {key!r} is {describe(leaf)}, not a tensor")
     wanted = {key for key, leaf in keyed if leaf is not None}
-    if missing := sorted(wanted - set(flat)):
-        raise StateError(f"functe.tree_from_dict: missing {missing}")
-    if extra := sorted(set(flat) - wanted):
-        raise StateError(f"functe.tree_from_dict: unexpected {extra}")
+    missing, extra = sorted(wanted - set(flat)), sorted(set(flat) - wanted)
+    if missing or extra:
+        # (both lists: a renamed leaf shows as one of each)
+        parts = [f"{what} {_listed(keys)}" for what, keys in (("missing", missing), ("unexpected", extra)) if keys]
+        raise StateError(f"functe.tree_from_dict: {'; '.join(parts)}")
     out = []
     for key, leaf in keyed:
         if leaf is None:
@@ -89,8 +90,15 @@ def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
             raise StateError(
                 f"functe.tree_from_dict: {key!r} expected {describe(leaf)} (as in the template), got {describe(value)}"
             )
-        out.append(value.to(leaf.device))
+        # (a template on the meta device describes shapes and dtypes only: the values stay where they are)
+        out.append(value if leaf.device.type == "meta" else value.to(leaf.device))
     return optree.tree_unflatten(spec, out)
+
+
+def _listed(keys: list[str], shown: int = 10) -> str:
+    """``keys`` as a list, the first ``shown`` of them and a count of the rest."""
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"{keys[:shown]}{more}"
 
 
 def save_tree(path: str | os.PathLike, tree: Any) -> None:

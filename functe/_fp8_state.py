@@ -30,7 +30,7 @@ import optree
 import torch
 
 from ._errors import StateError, describe
-from ._recipe import CurrentScaling, DelayedScaling, Recipe, check_recipe
+from ._recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe
 from ._state import ScalingState, check_scaling_state, init_scaling_state
 from ._tree import NAMESPACE, pytree_dataclass, tree_unflatten
 from ._vjp import custom_vjp
@@ -136,6 +136,11 @@ def _check_amax(op: str, amax: object, like: Tensor | None = None) -> None:
         raise StateError(f"functe.{op}: argument 'amax' is on {amax.device}, the state on {like.device}")
 
 
+def _check_role(op: str, role: object) -> None:
+    if role not in ROLES:
+        raise StateError(f"functe.{op}: argument 'role' expected one of {ROLES}, got {role!r}")
+
+
 def delayed_scaling_update(state: ScalingState, amax: Tensor, *, recipe: DelayedScaling, role: str) -> ScalingState:
     """Record ``amax`` (of a tensor just cast with ``state.scale``) and update the state, exactly as TE.
 
@@ -156,7 +161,7 @@ def delayed_scaling_update(state: ScalingState, amax: Tensor, *, recipe: Delayed
     op = "delayed_scaling_update"
     if not isinstance(recipe, DelayedScaling):
         raise StateError(f"functe.{op}: argument 'recipe' expected a DelayedScaling, got {recipe!r}")
-    recipe.dtype(role)  # (an unknown role raises, naming the roles)
+    _check_role(op, role)
     check_delayed_state(op, "state", state, recipe)
     _check_amax(op, amax, state.amax_history)
     return update_state(state, amax, recipe=recipe, role=role)
@@ -193,7 +198,8 @@ def current_scale(amax: Tensor, *, recipe: CurrentScaling, role: str) -> Tensor:
     if not isinstance(recipe, CurrentScaling):
         raise StateError(f"functe.current_scale: argument 'recipe' expected a CurrentScaling, got {recipe!r}")
     _check_amax("current_scale", amax)
-    return recipe_scale(amax, recipe=recipe, role=role)
+    _check_role("current_scale", role)
+    return recipe_scale(amax.reshape(()), recipe=recipe, role=role)  # (f32[], also for an amax of shape [1])
 
 
 def recipe_scale(amax: Tensor, *, recipe: Recipe, role: str) -> Tensor:

@@ -18,6 +18,7 @@ from ._errors import (
     DTypeError,
     ShapeError,
     StateError,
+    TransformError,
     check_same_device,
     check_tensor,
     describe,
@@ -236,6 +237,21 @@ _ONE = torch.ones((), dtype=torch.float32)
 # ----------------------------------------------------------------------------- public conversions
 
 
+def _refuse_transformed(op: str, x: Tensor) -> None:
+    """Raise if a ``torch.func`` ``grad``/``vjp`` or ``jvp`` level differentiates ``x``: the result is
+    FP8 data, so its derivative would come out zero, silently (plain autograd leaves a result that
+    does not require grad, which fails loudly where it is the only path). ``x.detach()`` opts out."""
+    if torch._C._functorch.maybe_current_level() is None:
+        return
+    tangent = torch.autograd.forward_ad.unpack_dual(x).tangent
+    if (torch.is_grad_enabled() and x.requires_grad) or tangent is not None:
+        raise TransformError(
+            f"functe.{op}: argument 'x' ({describe(x)}) is differentiated by a torch.func transform, but "
+            "quantization has no derivative (the result is FP8 data: the gradient or tangent would be zero, "
+            "silently); quantize x.detach(), or use ops.fp8_linear, which is straight-through in reverse mode"
+        )
+
+
 def quantize(
     x: Tensor, recipe: Recipe, *, state: ScalingState | None = None, role: str = "input", seed=None
 ) -> tuple[QuantizedTensor, ScalingState | None]:
@@ -268,6 +284,7 @@ def quantize(
     check_recipe("quantize", recipe)
     if role not in ROLES:
         raise ArgumentError(f"functe.quantize: argument 'role' expected one of {ROLES}, got {role!r}")
+    _refuse_transformed("quantize", x)
     x = x.detach()
     # (checked for every recipe: the deterministic ones ignore its value, not a malformed seed)
     seed = None if seed is None else seed_tensor(seed, x, "quantize")

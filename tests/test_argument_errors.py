@@ -492,3 +492,28 @@ def test_argument_errors_are_the_builtin_errors_callers_catch(call):
     with pytest.raises(functe.ArgumentError) as info:
         call()
     assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
+
+
+def test_quantize_under_a_differentiating_transform_is_refused():
+    # (torch.func.grad came out all zeros and jvp's tangent zero, silently; plain autograd leaves a
+    # result that does not require grad, and a detached x opts out)
+    x = torch.randn(4, 32)
+    roundtrip = lambda t: functe.dequantize(functe.quantize(t, functe.CurrentScaling())[0])
+    refused = r"functe\.quantize: argument 'x' \(f32\[4,32\]\) is differentiated by a torch\.func transform"
+    with pytest.raises(functe.TransformError, match=refused):
+        torch.func.grad(lambda t: roundtrip(t).sum())(x)
+    with pytest.raises(functe.TransformError, match=refused):
+        torch.func.jvp(roundtrip, (x,), (torch.ones_like(x),))
+    grad = torch.func.grad(lambda t: roundtrip(t.detach()).sum() + t.sum())(x)
+    assert torch.equal(grad, torch.ones_like(x))
+    assert torch.equal(torch.func.vmap(roundtrip)(x), torch.stack([roundtrip(row) for row in x]))  # (vmap: fine)
+
+
+def test_scale_functions_name_a_bad_role():
+    # (the error blamed functe.Format, naming neither the function nor the argument)
+    state = functe.init_scaling_state(2)
+    with pytest.raises(functe.StateError, match=r"functe\.delayed_scaling_update: argument 'role' expected one of"):
+        functe.delayed_scaling_update(state, torch.tensor(1.0), recipe=functe.DelayedScaling(), role="grad")
+    with pytest.raises(functe.StateError, match=r"functe\.current_scale: argument 'role' expected one of"):
+        functe.current_scale(torch.tensor(1.0), recipe=functe.CurrentScaling(), role="grad")
+    assert functe.current_scale(torch.tensor([3.0]), recipe=functe.CurrentScaling(), role="input").shape == ()

@@ -66,6 +66,22 @@ def test_tree_dict_keys_and_errors():
         functe.tree_from_dict({"w": torch.ones(2), "step": 3}, {"w": torch.zeros(2)})
 
 
+def test_a_renamed_leaf_shows_both_names_and_long_lists_are_cut():
+    # (only the missing name was shown, never what the checkpoint held instead)
+    with pytest.raises(functe.StateError, match=r"missing \['layers.1.weight'\]; unexpected \['layers.1.w'\]"):
+        functe.tree_from_dict({"layers": [None, {"weight": torch.ones(2)}]}, {"layers.1.w": torch.ones(2)})
+    many = {f"w{i:02d}": torch.ones(1) for i in range(25)}
+    with pytest.raises(functe.StateError, match=r"missing \['w00', .*'w09'\] and 15 more$"):
+        functe.tree_from_dict(many, {})
+
+
+def test_a_meta_template_takes_the_checkpoint_values():
+    # (a model described on the meta device loaded "successfully" into meta tensors: the data was gone)
+    flat = {"w": torch.arange(6.0).view(2, 3)}
+    back = functe.tree_from_dict({"w": torch.empty(2, 3, device="meta")}, flat)
+    assert back["w"].device.type == "cpu" and torch.equal(back["w"], flat["w"])
+
+
 @pytest.mark.parametrize("tree", [{"a.b": 0, "a": {"b": 1}}, {1: 0, "1": 1}], ids=["dotted", "int-and-str"])
 def test_two_paths_with_one_key_are_refused(tree, tmp_path):
     # A flat dict keeps one of them: the other leaf was silently lost, and loading wrote it back twice.
