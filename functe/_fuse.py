@@ -562,14 +562,17 @@ class Plan:
         """Remember which parameters and buffers of ``modules`` the plan took as constants (captured
         tensors it reads, folded constants' ``sources``), by their names and metadata: see :meth:`stale`."""
         taken = {id(t) for t in self._captured} | {id(t) for t in sources}
+        seen = set()
         for owner in modules:
             named = itertools.chain(
                 owner.named_parameters(remove_duplicate=False), owner.named_buffers(remove_duplicate=False)
             )
-            for name, t in named:
-                if id(t) in taken:
-                    taken.discard(id(t))  # (once: a tied weight, or a submodule also reached by name)
-                    self.bindings.append((owner, tuple(name.split(".")), t, t.dtype, t.shape, t.device))
+            for name, t in named:  # (every name of a tied tensor: rebinding any one of them unties it)
+                path = tuple(name.split("."))
+                holder = functools.reduce(getattr, path[:-1], owner)
+                if id(t) in taken and (id(holder), path[-1]) not in seen:
+                    seen.add((id(holder), path[-1]))
+                    self.bindings.append((owner, path[:-1], path[-1], t, t.dtype, t.shape))
 
     @property
     def watches(self) -> bool:
@@ -579,13 +582,12 @@ class Plan:
     def stale(self) -> bool:
         """Whether a captured tensor the trace folded into a constant changed in place since, or
         started (or stopped) requiring grad (the retrace decides whether that gradient can flow);
-        or whether a parameter or buffer of the fused module that the plan took as a constant now
-        names another tensor (``torch.func.functional_call``, ``load_state_dict(assign=True)``) or has
-        another dtype, shape or device (``module.half()`` swaps its ``.data``)."""
-        for owner, path, t, dtype, shape, device in self.bindings:
-            now = functools.reduce(getattr, path, owner)
-            if now is not t or t.dtype != dtype or t.device != device or t.shape != shape:
-                return True
+        or whether a parameter or buffer of a module the function reaches that the plan took as a
+        constant now names another tensor (``torch.func.functional_call``, ``load_state_dict(assign=True)``,
+        a submodule replaced) or has another dtype or shape (``module.half()`` swaps its ``.data``)."""
+        for owner, modules, name, t, dtype, shape in self.bindings:  # (~1 µs each: one per captured weight)
+            if _named_tensor(owner, modules, name) is not t or t.dtype is not dtype or t.shape != shape:
+                return True  # (a device move changes the arguments' devices too: a new signature)
         for ref, version, requires_grad, storage in self.sources:
             t = ref()
             if t is not None and (
@@ -631,6 +633,17 @@ class Plan:
         kept = ", ".join(e.name for e in self.liveness.residuals)
         lines.append(f"residuals kept for the backward plan: {kept or 'none'}")
         return "\n".join(lines)
+
+
+def _named_tensor(owner: torch.nn.Module, modules: tuple[str, ...], name: str) -> Tensor | None:
+    """The parameter or buffer ``name`` of ``owner``'s submodule at ``modules``, through the dicts that
+    ``functional_call`` and attribute assignment write (a plan checks them per call: no ``getattr``)."""
+    for part in modules:
+        owner = owner._modules.get(part)
+        if owner is None:
+            return None
+    t = owner._parameters.get(name)
+    return owner._buffers.get(name) if t is None else t
 
 
 class _Variant:
@@ -991,7 +1004,7 @@ class Fused:
     def _warn_stale(self, plan: Plan) -> None:
         """Warn once that changes to captured tensors keep invalidating plans."""
         read = [t for t in (ref() for ref, *_ in plan.sources) if t is not None]
-        read += [t for _, _, t, *_ in plan.bindings]
+        read += [t for *_, t, _, _ in plan.bindings]
         shown = ", ".join(describe(t) for t in read[:3])
         warnings.warn(
             f"functe.fuse({self.__name__}) has retraced {self.stale_retraces} times because tensors it captured "

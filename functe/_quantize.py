@@ -241,10 +241,17 @@ def _refuse_transformed(op: str, x: Tensor) -> None:
     """Raise if a ``torch.func`` ``grad``/``vjp`` or ``jvp`` level differentiates ``x``: the result is
     FP8 data, so its derivative would come out zero, silently (plain autograd leaves a result that
     does not require grad, which fails loudly where it is the only path). ``x.detach()`` opts out."""
-    if torch._C._functorch.maybe_current_level() is None:
+    f = torch._C._functorch
+    if f.maybe_current_level() is None:
         return
-    tangent = torch.autograd.forward_ad.unpack_dual(x).tangent
-    if (torch.is_grad_enabled() and x.requires_grad) or tangent is not None:
+    differentiated = torch.autograd.forward_ad.unpack_dual(x).tangent is not None
+    t = x
+    # (a grad level's wrapper that requires grad: a captured trainable tensor that no transform
+    # differentiates, under vmap or a grad over another argument, is autograd's, and stays allowed)
+    while not differentiated and f.is_functorch_wrapped_tensor(t):
+        differentiated = torch.is_grad_enabled() and f.is_gradtrackingtensor(t) and t.requires_grad
+        t = f.get_unwrapped(t)
+    if differentiated:
         raise TransformError(
             f"functe.{op}: argument 'x' ({describe(x)}) is differentiated by a torch.func transform, but "
             "quantization has no derivative (the result is FP8 data: the gradient or tangent would be zero, "

@@ -507,6 +507,16 @@ def test_quantize_under_a_differentiating_transform_is_refused():
     grad = torch.func.grad(lambda t: roundtrip(t.detach()).sum() + t.sum())(x)
     assert torch.equal(grad, torch.ones_like(x))
     assert torch.equal(torch.func.vmap(roundtrip)(x), torch.stack([roundtrip(row) for row in x]))  # (vmap: fine)
+    with pytest.raises(functe.TransformError, match=refused):
+        torch.func.vmap(torch.func.grad(lambda t: roundtrip(t).sum()))(x[None])
+    # A trainable tensor that no transform differentiates (a module's weight, quantized to inspect it)
+    # is autograd's: allowed under vmap and under a grad or jvp over another argument.
+    weight = x.clone().requires_grad_()
+    y = torch.ones(3)
+    expected = roundtrip(weight.detach()).sum().expand(3)
+    assert torch.equal(torch.func.grad(lambda y: roundtrip(weight).sum() * y.sum())(y), expected)
+    torch.func.vmap(lambda y: roundtrip(weight).sum() * y)(y)
+    torch.func.jvp(lambda y: roundtrip(weight).sum() * y, (y,), (y,))
 
 
 def test_scale_functions_name_a_bad_role():

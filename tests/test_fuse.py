@@ -316,6 +316,22 @@ def test_a_fused_module_under_functional_call_uses_the_tensors_given():
     assert_close(block(x), _frozen_block_reference(w, g, x))
 
 
+def test_a_fused_module_sees_a_replaced_submodule_and_an_untied_weight():
+    # (bound by the first name only, rebinding a tied weight's second name went unnoticed)
+    enc, dec = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+    dec.weight = enc.weight
+    net = torch.nn.ModuleDict({"enc": enc, "dec": dec}).requires_grad_(False)
+    fused = functe.fuse(lambda x: ops.linear(ops.linear(x, net["enc"].weight), net["dec"].weight))
+    eager = lambda x: x @ net["enc"].weight.T @ net["dec"].weight.T
+    x = make((3, 8))
+    assert_close(fused(x), eager(x))
+    net["dec"].weight = torch.nn.Parameter(make((8, 8)), requires_grad=False)
+    assert_close(fused(x), eager(x))
+    net["enc"] = torch.nn.Linear(8, 8, bias=False).requires_grad_(False)
+    assert_close(fused(x), eager(x))
+    assert fused.trace_count == 3
+
+
 def test_a_deep_copy_of_a_fused_module_computes_with_its_own_weights():
     # (the copied plans' generated functions kept the original's weights in their globals)
     block, x = _FrozenBlock(), make((4, 8), F64)
