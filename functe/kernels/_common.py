@@ -91,19 +91,3 @@ def column_sums(v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if out_dtype.itemsize > v.dtype.itemsize:
         rows = rows.to(out_dtype)
     return as_dtype(rows.sum(0), out_dtype)
-
-
-def outside_compiled_graphs(fn):
-    """``fn``, run by Python (a graph break) when Dynamo traces a call to it, else called directly.
-
-    For formulas Inductor miscompiles: torch 2.13's CPU Inductor read garbage for the last, partial
-    block of the block-scaled formats' padded views and per-element scale selection (every
-    formulation tried; docs/block_scaling.md). Under ``fullgraph=True`` the break is an error, not
-    a wrong answer.
-    """
-    eager = torch.compiler.disable(fn, recursive=True)
-
-    def call(*args, **kwargs):
-        return (eager if torch.compiler.is_compiling() else fn)(*args, **kwargs)
-
-    return call

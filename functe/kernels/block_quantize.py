@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .._kernel import Kernel, Rowwise
 from . import _act, _fast
-from ._common import outside_compiled_graphs, rows_view
+from ._common import rows_view
 from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
 from .activation import activation_ref
 from .quantize import (
@@ -378,7 +378,7 @@ def _fp8_block_rows(mat, act, limit, alpha, offset, qdtype, out_dtype, block_row
 
 def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
     n_cols = act_layout(x, act)[3]
-    if n_cols % BLOCK and torch.compiler.is_compiling():  # (a partial last block: see outside_compiled_graphs)
+    if n_cols % BLOCK and torch.compiler.is_compiling():  # (a partial last block: see _PARTIAL_BLOCKS)
         return _fp8_block_ref_eager(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps)
     args = (act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps)
     q = torch.empty((math.prod(x.shape[:-1]), n_cols), dtype=out_dtype, device=x.device)
@@ -389,7 +389,11 @@ def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, 
     return q.reshape(*x.shape[:-1], n_cols), scale_inv.reshape(*lead, scale_inv.shape[-1])
 
 
-_fp8_block_ref_eager = outside_compiled_graphs(_fp8_block_ref)
+# _PARTIAL_BLOCKS: torch 2.13's CPU Inductor reads garbage for the last, partial block of the padded
+# block views and of the per-element scale selection (every formulation tried; docs/block_scaling.md).
+# While Dynamo traces, the twins of partial blocks call these, which it cannot trace: a graph break,
+# the twin runs in Python (under fullgraph=True an error, not a wrong answer).
+_fp8_block_ref_eager = torch.compiler.disable(_fp8_block_ref, recursive=True)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -569,7 +573,7 @@ def fp8_block_dequantize(data: Tensor, scale_inv: Tensor, block_rows: int, out_d
 def expand_block_scales(scales: Tensor, shape: torch.Size, block_rows: int, block_cols: int) -> Tensor:
     """Per-element fp32 scales of a tensor of ``shape`` from its block scales (1-D or 2-D blocks)."""
     partial = shape[-1] % block_cols or (block_rows > 1 and shape[0] % block_rows)
-    if partial and torch.compiler.is_compiling():  # (see outside_compiled_graphs)
+    if partial and torch.compiler.is_compiling():  # (see _PARTIAL_BLOCKS)
         return _expand_block_scales_eager(scales, shape, block_rows, block_cols)
     s = scales.to(torch.float32)
     if block_rows > 1:
@@ -577,7 +581,7 @@ def expand_block_scales(scales: Tensor, shape: torch.Size, block_rows: int, bloc
     return s.index_select(-1, block_index(shape[-1], block_cols, s.device))
 
 
-_expand_block_scales_eager = outside_compiled_graphs(expand_block_scales)
+_expand_block_scales_eager = torch.compiler.disable(expand_block_scales, recursive=True)  # (see _PARTIAL_BLOCKS)
 
 
 def block_index(n: int, block: int, device: torch.device) -> Tensor:

@@ -111,18 +111,11 @@ def forward_quantized(
         fast_accum=True,
     )
     y = reduce_output("fp8_linear", y.reshape(*gathered_shape(x_shape[:-1], parallel), weight.shape[0]), bias, parallel)
-    next_states = None
-    if delayed and (parallel is None or parallel.amax_group.size == 1):
-        next_states = (
-            update_state(state.input, amax_x, recipe=recipe, role="input"),
-            update_state(state.weight, amax_w, recipe=recipe, role="weight"),
-            state.grad_output,
-        )
-    elif delayed:
-        # Amaxes reduced over ranks feed the next states only, which come back through the backward:
-        # they are reduced there with dy's, in one collective (as TE reduces once per step), and a
-        # forward without a backward (inference, evaluation on unequal shards) communicates nothing.
-        next_states = (state.input, state.weight, state.grad_output, amax_x, amax_w)
+    # The amaxes feed the next states only, which come back through the backward: the states are
+    # updated there, with the amaxes reduced over ranks together with dy's in one collective (as TE
+    # reduces once per step), and a forward without a backward (inference, evaluation on unequal
+    # shards) communicates nothing.
+    next_states = (state.input, state.weight, state.grad_output, amax_x, amax_w) if delayed else None
     residuals = (xq, sinv_x, wq, sinv_w, next_states, bias is not None, native, x_shape, dtype)
     return y, residuals
 
@@ -175,13 +168,10 @@ def backward_quantized(res, dyq, sdy, amax_dy, *, recipe, parallel=None, want=(T
     dw = gemm_nt(dyq.t(), sinv_dy, xq.t(), sinv_x, out_dtype=dtype, native=native) if want[1] else None
     state_ct = None
     if next_states is not None:
-        if len(next_states) == 5:  # (the forward's amaxes wait for this reduction, see forward_quantized)
-            in_state, w_state, go_state, amax_x, amax_w = next_states
-            amax_x, amax_w, amax_dy = reduce_amax("fp8_linear", (amax_x, amax_w, amax_dy), parallel)
-            new_in = update_state(in_state, amax_x, recipe=recipe, role="input")
-            new_w = update_state(w_state, amax_w, recipe=recipe, role="weight")
-        else:
-            new_in, new_w, go_state = next_states
+        in_state, w_state, go_state, amax_x, amax_w = next_states  # (see forward_quantized)
+        amax_x, amax_w, amax_dy = reduce_amax("fp8_linear", (amax_x, amax_w, amax_dy), parallel)
+        new_in = update_state(in_state, amax_x, recipe=recipe, role="input")
+        new_w = update_state(w_state, amax_w, recipe=recipe, role="weight")
         new_go = update_state(go_state, amax_dy, recipe=recipe, role="grad_output")
         state_ct = LinearScalingState(
             input=as_cotangent(new_in), weight=as_cotangent(new_w), grad_output=as_cotangent(new_go)
