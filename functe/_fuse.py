@@ -1044,6 +1044,11 @@ class Fused:
         new.__init__(copy.deepcopy(self.__wrapped__, memo), self.rules, self.recipe)
         return new
 
+    def __reduce__(self):
+        # The function, rules and recipe, not the plans: their generated code is rebuilt by tracing
+        # on the first call after loading (and a pickled plan would hold the weights it folded).
+        return Fused, (self.__wrapped__, self.rules, self.recipe)
+
     def __repr__(self):
         return f"fuse({self.__name__})"
 

@@ -665,6 +665,7 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
 
         op = table[key] = custom_vjp(label, fwd, bwd, keep_autocast=True)
         op.opaque_fn = fn  # (a trace refuses a traced value it reaches by name: see _record)
+        op.opaque_name = name  # (a pickled op loads as opaque(fn, name=name): see CustomVJP.__reduce__)
         # (functe.fuse checks the function's captured state per call: see Plan.check_captured)
         op.opaque_check = functools.partial(_refuse_captured_grads, fn, label)
         # (before the op's Function: inside its forward a torch.func wrapper shows no tangent)

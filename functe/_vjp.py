@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import pickle
 import types
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,7 @@ from ._kernel import (
     vmap_call,
     with_layout,
 )
+from ._pickling import global_name, named
 from ._rng import RandomState
 from ._tree import PyTreeSpec, same_structure, tree_flatten, tree_unflatten, with_contents
 
@@ -282,6 +284,8 @@ class CustomVJP:
                     f"custom_vjp {name}: constant_residuals must be plain tensors that require no gradient, "
                     f"got {describe(c)}"
                 )
+        # (where a pickle looks the op up by name: the module that defined its forward rule)
+        self._home = getattr(fwd, "__module__", None)
         # (rules that close over values: each recorded call checks them, see _refuse_captured_derivatives)
         self._closures = tuple(f for f in (fwd, bwd) if isinstance(f, types.FunctionType) and f.__closure__)
         if not keep_autocast:
@@ -342,8 +346,30 @@ class CustomVJP:
         layout = results[-1]
         return tree_unflatten(layout.out_tree, results[: layout.n_out])
 
+    def __reduce__(self):
+        # An op pickles by reference, as a function does: its rules are wrapped (without_autocast)
+        # and its Function classes are made per op, so none of them pickles by value, and a
+        # reference keeps a rule set or a fused function's pickle small and loads today's rules.
+        fn = getattr(self, "opaque_fn", None)
+        if fn is not None:
+            return _opaque_op, (fn, self.opaque_name)
+        found = global_name(self, self._home)
+        if found is None:
+            raise pickle.PicklingError(
+                f"functe.{self.name}: a custom_vjp op pickles by reference, like a function, so it must be "
+                f"bound to a module-level name; none of the globals of {self._home} (or of another loaded "
+                "module of its package) is this op"
+            )
+        return named, (*found, CustomVJP)
+
     def __repr__(self):
         return f"custom_vjp({self.name})"
+
+
+def _opaque_op(fn: Callable, name: str | None) -> CustomVJP:
+    from ._trace import opaque  # (the trace module imports this one)
+
+    return opaque(fn, name=name)
 
 
 def custom_vjp(

@@ -47,6 +47,7 @@ import torch
 
 from .._errors import FuncteError, RuleError, TraceError, describe
 from .._oplist import Atom, Eqn, Literal, OpList, Var, check_oplist, is_none, toposort
+from .._pickling import global_name, named
 from .._trace import forward_on_meta
 from .._tree import tree_flatten, tree_unflatten
 
@@ -218,6 +219,17 @@ class Rule:
         if not self.location:
             frame = sys._getframe(2)
             object.__setattr__(self, "location", f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        # (where a pickle looks the rule up by name: the module that made it)
+        object.__setattr__(self, "_home", sys._getframe(2).f_globals.get("__name__"))
+
+    def __reduce_ex__(self, protocol):
+        # A rule bound to a module-level name (functe's own, or a user's) pickles by reference, as a
+        # function does: functe's conditions are closures (first_reason) and pickle by value fails
+        # on them; any other rule pickles by value (its functions by their names).
+        found = global_name(self, getattr(self, "_home", None))
+        if found is not None:
+            return named, (*found, Rule)
+        return super().__reduce_ex__(protocol)
 
     def __add__(self, other) -> RuleSet:
         return RuleSet((self,)) + other

@@ -1,0 +1,38 @@
+"""Pickling by reference: functe's ops and rules load from the module-level name they are bound to.
+
+An op's rules are wrapped and its autograd Function classes are made per op, and a rule holds
+conditions made by closures (``first_reason``), so neither pickles by value. Like a function,
+each pickles as "the global ``name`` of ``module``" and loads today's definition.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import sys
+from typing import Any
+
+
+def global_name(obj: Any, home: str | None) -> tuple[str, str] | None:
+    """The (module, name) of a global bound to ``obj``: in module ``home`` first, then in the other
+    loaded modules of its package (an op or rule may be re-exported or defined apart from its rules);
+    None when there is none."""
+    home = home or ""
+    package = home.partition(".")[0]
+    others = sorted(m for m in list(sys.modules) if package and m.startswith(package + ".") and m != home)
+    for module_name in (home, *others):
+        module = sys.modules.get(module_name)
+        for name, value in list(vars(module).items()) if module is not None else ():
+            if value is obj:
+                return module_name, name
+    return None
+
+
+def named(module_name: str, name: str, kind: type) -> Any:
+    """The global ``module_name.name``, which must still be a ``kind`` (for unpickling)."""
+    value = getattr(importlib.import_module(module_name), name, None)
+    if not isinstance(value, kind):
+        raise pickle.UnpicklingError(
+            f"{module_name}.{name} was pickled as a {kind.__name__} and is now {type(value).__name__}"
+        )
+    return value

@@ -1,0 +1,116 @@
+"""Pickling: ops and rules load by reference, fused functions without their plans."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+from helpers import make
+
+import functe
+from functe import ops
+from functe.ops import _core
+from functe.rules import DEFAULT_RULES, Pattern, Rule, RuleSet
+from functe.testing import assert_close
+
+
+def _cube_fwd(x):
+    return x**3, x
+
+
+def _cube_bwd(x, g):
+    return (3 * x**2 * g,)
+
+
+CUBE = functe.custom_vjp("cube", _cube_fwd, _cube_bwd)
+
+
+def _scale_twice(m):
+    return m.fuse(_core._constant_scale, [m["x"]], scale=m.eqns["outer"].params["scale"] * 2.0)
+
+
+# (a user's rule at module level: it pickles by reference, its condition a lambda notwithstanding)
+DOUBLE_SCALE = Rule(
+    "double_scale",
+    "forward",
+    Pattern(_core._constant_scale, "x", name="outer"),
+    _scale_twice,
+    condition=lambda m: None,
+)
+
+
+def _block(x, w, b, r):
+    return ops.gelu(ops.linear(x, w, b)) + r
+
+
+class _FrozenMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.fused = functe.fuse(self._impl)
+
+    def _impl(self, x):
+        return ops.gelu(ops.linear(x, self.fc.weight, self.fc.bias)) + x
+
+    def forward(self, x):
+        return self.fused(x)
+
+
+def _round_trip(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+def test_ops_and_rule_sets_load_by_reference():
+    # (every op's rules are wrapped to run without autocast: "Can't pickle <function _linear_fwd>:
+    # it's not the same object as functe.ops._core._linear_fwd", for every rule set and fused function)
+    loaded = _round_trip(DEFAULT_RULES + DOUBLE_SCALE)
+    assert isinstance(loaded, RuleSet) and loaded.names == (DEFAULT_RULES + DOUBLE_SCALE).names
+    assert all(a is b for a, b in zip(loaded.rules, (DEFAULT_RULES + DOUBLE_SCALE).rules, strict=True))
+    assert _round_trip(_core._linear) is _core._linear and _round_trip(CUBE) is CUBE
+
+
+def test_an_op_or_rule_without_a_global_name_says_why_it_cannot_be_pickled():
+    local = functe.custom_vjp("local_cube", _cube_fwd, _cube_bwd)
+    with pytest.raises(pickle.PicklingError, match=r"functe.local_cube: .* bound to a module-level name"):
+        pickle.dumps(local)
+    # (a rule with no global name pickles by value: its lambda fails as any lambda does)
+    rule = Rule("anonymous", "forward", Pattern(_core._constant_scale, "x"), lambda m: None)
+    with pytest.raises((pickle.PicklingError, AttributeError), match="lambda"):
+        pickle.dumps(rule)
+
+
+def test_a_fused_function_pickles_without_its_plans_and_retraces():
+    fused = functe.fuse(_block, rules=DEFAULT_RULES + DOUBLE_SCALE)
+    args = [make(s) for s in ((3, 8), (8, 8), (8,), (3, 8))]
+    expected = fused(*args)
+    loaded = _round_trip(fused)
+    assert loaded.trace_count == 0 and loaded.rules.names == fused.rules.names
+    assert_close(loaded(*args), expected)
+    assert loaded.trace_count == 1 and fused.trace_count == 1
+
+
+def test_a_saved_module_with_a_fused_forward_computes_with_its_loaded_weights():
+    model, x = _FrozenMLP(), make((3, 8))
+    model(x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert_close(loaded(x), model(x))
+    with torch.no_grad():
+        loaded.fc.weight.mul_(-1.0)
+    assert_close(loaded(x), torch.nn.functional.gelu(x @ -model.fc.weight.T + model.fc.bias, approximate="tanh") + x)
+    assert_close(model(x), torch.nn.functional.gelu(model.fc(x), approximate="tanh") + x)
+
+
+def test_an_opaque_op_pickles_as_its_function():
+    tanh = functe.opaque(torch.tanh, name="tanh")
+    assert _round_trip(tanh) is tanh  # (the same function: opaque's table gives the same op)
+    sub = torch.nn.Linear(4, 4).requires_grad_(False)
+    op = functe.opaque(sub)
+    loaded_sub, loaded_op = _round_trip((sub, op))
+    assert loaded_op is functe.opaque(loaded_sub) and loaded_op is not op
+    x = make((2, 4))
+    assert_close(loaded_op(x), sub(x))
