@@ -80,6 +80,14 @@ class Group:
     name: str
     size: int
 
+    def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise ArgumentError(
+                f"functe.Group: argument 'name' expected a c10d group name (str), got {describe(self.name)}"
+            )
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ArgumentError(f"functe.Group: argument 'size' expected an int >= 1, got {self.size!r}")
+
     def __repr__(self):
         return f"Group({self.name!r}, size={self.size})"
 
@@ -90,7 +98,7 @@ SINGLE = Group("", 1)
 def resolve_group(op: str, group: object, arg: str = "group") -> Group:
     """``group`` (a ProcessGroup, a :class:`Group`, or ``None`` for the default group) as a :class:`Group`."""
     if isinstance(group, Group):
-        return group
+        return group  # (unchecked here: a trace or explain of a parallel program may use a made-up one)
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return SINGLE
@@ -330,7 +338,25 @@ def _local(kind: str, x: Tensor, group: Group, dim: int) -> Tensor:
     return x.narrow(dim, rank * size, size)
 
 
+def _check_registered(group: Group, who: str) -> None:
+    """A :class:`Group` given directly (not resolved from a ProcessGroup) names an initialised c10d
+    group of its size; else c10d failed with a message naming neither the op nor the argument."""
+    found = None
+    if dist.is_available() and dist.is_initialized():
+        try:
+            found = dist.distributed_c10d._resolve_process_group(group.name)
+        except (RuntimeError, ValueError, KeyError):
+            found = None
+    if found is None or dist.get_world_size(found) != group.size:
+        raise ArgumentError(
+            f"functe.{who}: argument 'group' is {group!r}, but no initialised torch.distributed process group "
+            f"has that name{' and size' if found is not None else ''}; pass the ProcessGroup itself"
+        )
+
+
 def _execute(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> Tensor:
+    if x.device.type != "meta" and kind != "share":
+        _check_registered(group, who)
     if kind in LOCAL_KINDS:
         return _local(kind, x, group, dim)
     if not _skip_check(x):

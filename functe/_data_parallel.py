@@ -20,7 +20,7 @@ import optree
 import torch
 
 from ._collectives import check_same_layout, collective, meet_before_raising, resolve_group, stand_in
-from ._errors import DTypeError, describe
+from ._errors import DTypeError, check_flag, describe
 from ._train import value_and_grad
 from ._tree import tree_flatten, tree_unflatten
 
@@ -43,6 +43,7 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
         >>> functe.all_reduce_gradients({"w": torch.ones(2), "b": None})["w"].tolist()
         [1.0, 1.0]
     """
+    check_flag("all_reduce_gradients", "average", average)  # (bool("False") is True: a sum taken for a mean)
     g = resolve_group("all_reduce_gradients", group)
     leaves, spec = tree_flatten(tree)
     # (a rank without tensors still joins the checks the others run, on a device of the group)

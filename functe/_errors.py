@@ -163,6 +163,14 @@ def check_flag(op: str, arg: str, value: Any) -> bool:
     return value
 
 
+def check_callable(op: str, arg: str, value: Any) -> Any:
+    """``value`` if it is callable, else an :class:`ArgumentError` (raised where it is given, not at
+    the first call deep inside a trace or a transform)."""
+    if not callable(value):
+        raise ArgumentError(f"{_where(op, arg)} expected a function, got {describe(value)}")
+    return value
+
+
 def check_number(op: str, arg: str, value: Any, *, finite: bool = True, minimum: float | None = None) -> float:
     """``value`` as a float if it is a Python number (not a bool) that a float holds (``10**400`` is
     not), finite unless ``finite=False`` and at least ``minimum``; else an :class:`ArgumentError`."""

@@ -45,7 +45,7 @@ import torch
 from . import _trace
 from ._autocast import autocast_state, without_autocast
 from ._backend import any_tangent, unaliased_outputs
-from ._errors import ArgumentError, TraceError, TransformError, called_as, describe
+from ._errors import ArgumentError, TraceError, TransformError, called_as, check_callable, describe
 from ._kernel import batched, empty_batched, formula_twins
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
 from ._recipe import check_recipe
@@ -1130,6 +1130,7 @@ def fuse(fn: Callable, *, recipe: Any = None, rules=None) -> Fused:
         >>> block.trace_count
         1
     """
+    check_callable("fuse", "fn", fn)
     return Fused(fn, _check_rules("fuse", rules), _check_fuse_recipe("fuse", recipe))
 
 
@@ -1177,6 +1178,7 @@ def explain(fn: Callable, *args, rules=None, recipe: Any = None, **kwargs) -> No
           in (c,) }
         residuals kept for the backward plan: linear, constant_scale
     """
+    check_callable("explain", "fn", fn)
     given = {name: value for name, value in (("rules", rules), ("recipe", recipe)) if value is not None}
     if isinstance(fn, Fused):
         # (a fused function has its own rules and recipe: these keywords can only be fn's)

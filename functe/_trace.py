@@ -43,7 +43,7 @@ from torch.autograd import forward_ad
 from . import _vjp
 from ._autocast import autocast_as, autocast_state
 from ._backend import any_tangent, forward_ad_active, use_backend
-from ._errors import ArgumentError, FuncteError, RuleError, TraceError, TransformError, describe
+from ._errors import ArgumentError, FuncteError, RuleError, TraceError, TransformError, check_callable, describe
 from ._kernel import batched_levels
 from ._oplist import Eqn, Literal, OpList, Var
 from ._rng import RandomState
@@ -354,6 +354,8 @@ def trace(fn: Callable) -> Callable[..., OpList]:
             f:f32[4,8] = add_extra_input e a
           in (f,) }
     """
+
+    check_callable("trace", "fn", fn)
 
     @functools.wraps(fn)
     def traced(*args, **kwargs) -> OpList:

@@ -17,7 +17,7 @@ import optree
 import torch
 
 from ._checkpoint import _key
-from ._errors import ArgumentError, StateError, describe
+from ._errors import ArgumentError, StateError, check_callable, check_flag, describe
 from ._fp8_state import hides_tensors, state_from_gradient
 from ._kernel import _with
 from ._tree import NAMESPACE, tree_flatten, tree_unflatten
@@ -53,6 +53,10 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
         ([0.0, 0.0, 0.0, 1.0], 448.0)
     """
 
+    check_callable("value_and_grad", "fn", fn)
+    check_flag("value_and_grad", "has_aux", has_aux)
+    check_flag("value_and_grad", "check", check)
+
     def step(params, state, *args, **kwargs):
         return _step(fn, has_aux, check, params, state, args, kwargs)
 
@@ -82,9 +86,21 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
     param_leaves, param_spec = tree_flatten(params)
     trainable = _trainable_positions(param_leaves, params)
 
+    aux_rest: list = []  # (the aux's non-tensor leaves and layout, which torch.func refuses to return)
+
     def with_state(p, tensors):
         full_params, full = _with(param_leaves, trainable, p), _with(leaves, positions, tensors)
-        return fn(tree_unflatten(param_spec, full_params), tree_unflatten(spec, full), *args, **kwargs)
+        out = fn(tree_unflatten(param_spec, full_params), tree_unflatten(spec, full), *args, **kwargs)
+        if not has_aux:
+            return out
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ArgumentError(
+                f"functe.value_and_grad: with has_aux=True the function must return (loss, aux), got {describe(out)}"
+            )
+        loss, aux = out
+        aux_leaves, aux_spec = tree_flatten(aux)
+        aux_rest[:] = [aux_leaves, aux_spec]
+        return loss, [leaf for leaf in aux_leaves if isinstance(leaf, torch.Tensor)]
 
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
@@ -105,6 +121,14 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
             )
     trainable_params = [param_leaves[i] for i in trainable]
     grads, value = torch.func.grad_and_value(with_state, argnums=(0, 1), has_aux=has_aux)(trainable_params, tensors)
+    if has_aux:  # (the aux as fn returned it: its tensors from torch.func, any other leaf as it was)
+        loss, aux_tensors = value
+        aux_leaves, aux_spec = aux_rest
+        returned = iter(aux_tensors)
+        value = (
+            loss,
+            tree_unflatten(aux_spec, [next(returned) if isinstance(x, torch.Tensor) else x for x in aux_leaves]),
+        )
     trainable_grads, state_grads = grads
     next_state = state_from_gradient(state, tree_unflatten(spec, _with(leaves, positions, state_grads)), check=check)
     param_grads = _with([None] * len(param_leaves), trainable, trainable_grads)

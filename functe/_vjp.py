@@ -271,17 +271,19 @@ class CustomVJP:
         constant_residuals: tuple[Tensor, ...] = (),
         keep_autocast: bool = False,
     ):
+        if not isinstance(name, str) or not name:
+            raise RuleError(f"functe.custom_vjp: argument 'name' expected a non-empty str, got {describe(name)}")
         if batching not in ("forward", None):
-            raise RuleError(f"custom_vjp {name}: batching must be 'forward' or None, got {batching!r}")
+            raise RuleError(f"functe.custom_vjp: op {name}: batching must be 'forward' or None, got {batching!r}")
         for arg, rule in (("fwd", fwd), ("bwd", bwd), ("prune_residuals", prune_residuals)):
             if not callable(rule) and not (arg == "prune_residuals" and rule is None):
-                raise RuleError(f"custom_vjp {name}: {arg} must be a function, got {describe(rule)}")
+                raise RuleError(f"functe.custom_vjp: op {name}: {arg} must be a function, got {describe(rule)}")
         if prune_residuals is not None and not needs_input_grad:
-            raise RuleError(f"custom_vjp {name}: prune_residuals needs needs_input_grad=True")
+            raise RuleError(f"functe.custom_vjp: op {name}: prune_residuals needs needs_input_grad=True")
         for c in constant_residuals:
             if not isinstance(c, Tensor) or c.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(c):
                 raise RuleError(
-                    f"custom_vjp {name}: constant_residuals must be plain tensors that require no gradient, "
+                    f"functe.custom_vjp: op {name}: constant_residuals must be plain tensors that require no gradient, "
                     f"got {describe(c)}"
                 )
         # (where a pickle looks the op up by name: the module that defined its forward rule)

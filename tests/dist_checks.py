@@ -796,19 +796,29 @@ def data_parallel_step() -> None:
     mixed = functe.all_reduce_gradients(mixed)
     assert mixed["a"].tolist() == [(world() - 1) / 2] * 2 and mixed["h"].dtype == torch.bfloat16
     assert math.isclose(mixed["h"][0].item(), 1.0)
-    # FP8 replicas reduce their amaxes over the world (amax_group) so their states agree, fused too
-    # (where the FP8 fusions decline: the fused FP8 ops do not reduce amaxes)
+    # FP8 replicas reduce their amaxes over the world (amax_group) so their states agree, fused too:
+    # the fused FP8 ops (q-in activation, dact + dbias + cast; norm q-in) reduce them in their
+    # backward as fp8_linear does (they declined an amax_group before, losing the fusions)
     recipe = functe.DelayedScaling(amax_history_len=2)
+    lin = functools.partial(ops.fp8_linear, recipe=recipe, amax_group=dist.group.WORLD)
 
-    def block(x, w, state):
-        return ops.gelu(ops.fp8_linear(ops.gelu(x), w, None, state, recipe=recipe, amax_group=dist.group.WORLD))
+    def block(x, g, w, w2, state, state2):
+        h = ops.gelu(lin(ops.gelu(x), w, None, state))
+        return ops.gelu(lin(ops.rms_norm(h, g), w2, None, state2))
 
-    def fp8_loss(block, params, state, x):
-        return block(x, params["w"], state).square().mean()
+    def fp8_loss(block, params, states, x):
+        return block(x, params["g"], params["w"], params["w2"], *states).square().mean()
 
     xr = seeded((4, 8), seed=1104, scale=1.0 + 10.0 * rank())  # (each replica sees other magnitudes)
-    fp8_params, state = {"w": seeded((8, 8), seed=1105)}, functe.init_linear_scaling_state(recipe)
-    _, _, unfused = functe.value_and_grad(functools.partial(fp8_loss, block))(fp8_params, state, xr)
-    _, _, fused = functe.value_and_grad(functools.partial(fp8_loss, functe.fuse(block)))(fp8_params, state, xr)
-    for a, b in zip(functe.tree_leaves(unfused), functe.tree_leaves(fused)):
-        assert torch.equal(a, b) and same_on_all_ranks(b)
+    fp8_params = {"g": seeded((8,), seed=1106), "w": seeded((8, 8), seed=1105), "w2": seeded((8, 8), seed=1107)}
+    states = (functe.init_linear_scaling_state(recipe), functe.init_linear_scaling_state(recipe))
+    fused_block = functe.fuse(block)
+    plan = fused_block.plan(xr, fp8_params["g"], fp8_params["w"], fp8_params["w2"], *states)
+    assert plan.stats["forward"].fired == {"forward_activation_quantize": 1, "forward_norm_quantize": 1}, plan.stats
+    assert plan.stats["backward"].fired == {"backward_fp8_linear_activation": 2}, plan.stats
+    for _ in range(2):  # (the second step quantizes with the reduced first step's scales)
+        *_, unfused = functe.value_and_grad(functools.partial(fp8_loss, block))(fp8_params, states, xr)
+        *_, fused = functe.value_and_grad(functools.partial(fp8_loss, fused_block))(fp8_params, states, xr)
+        for a, b in zip(functe.tree_leaves(unfused), functe.tree_leaves(fused), strict=True):
+            assert torch.equal(a, b) and same_on_all_ranks(b)
+        states = fused

@@ -49,6 +49,22 @@ _ARGUMENT_ERRORS = {
     "opaque of a non-function": lambda: functe.opaque(3),
     "explain rules": lambda: functe.explain(lambda x: x, X, rules=[]),
     "rules.check rule": lambda: check("not a rule", {}),
+    # (a third sweep: a truthy string averaged where a sum was meant; the others failed deep inside
+    # Python, c10d or a trace)
+    "all_reduce_gradients average": lambda: functe.all_reduce_gradients({"w": X}, average="False"),
+    "value_and_grad has_aux": lambda: functe.value_and_grad(lambda p, s: p.sum(), has_aux="False"),
+    "fuse of a non-function": lambda: functe.fuse(3),
+    "trace of a non-function": lambda: functe.trace(3),
+    "value_and_grad of a non-function": lambda: functe.value_and_grad(3),
+    "explain of a non-function": lambda: functe.explain(3, X),
+    "Group size": lambda: functe.Group("x", 0),
+    "Group name": lambda: functe.Group(3, 2),
+    "Group of no process group": lambda: ops.all_reduce(X, group=functe.Group("x", 2)),
+    "Group of no process group, backward": lambda: (
+        ops.linear(X.requires_grad_(), make((6, 8)), tensor_parallel_mode="column", group=functe.Group("x", 2))
+        .sum()
+        .backward()
+    ),
 }
 
 
@@ -58,6 +74,36 @@ def test_argument_errors_are_functe_errors_and_builtin_ones(case):
         _ARGUMENT_ERRORS[case]()
     assert isinstance(info.value, functe.FuncteError)
     assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)  # what callers caught before
+
+
+_RULE_ERRORS = {
+    # (a public function as a pattern's op was accepted and the rule silently never fired)
+    "public function as op": (lambda: Pattern(ops.linear, "x", "w", "b"), r"functe\.rules\.Pattern: argument 'op'"),
+    "string as op": (lambda: Pattern("linear", "x"), r"expected a functe op \(CustomVJP\)"),
+    "commutative": (lambda: Pattern(_core._linear, "x", "w", commutative="no"), r"'commutative' expected a bool"),
+    "RuleSet of ints": (lambda: RuleSet([1]), r"functe\.rules\.RuleSet: a RuleSet holds Rules, got int"),
+    "rewrite of None": (lambda: functe.rules.rewrite(None, RuleSet(), "forward"), r"argument 'oplist' expected"),
+    "rewrite of a list": (
+        lambda: functe.rules.rewrite(functe.trace(lambda x: x * 2.0)(X), [], "forward"),
+        r"argument 'rules' expected a RuleSet",
+    ),
+    "rule without a rewrite": (
+        lambda: Rule("r", "forward", Pattern(_core._linear, "x"), None),
+        r"rule r: rewrite must be a function",
+    ),
+    "custom_vjp name": (
+        lambda: functe.custom_vjp(3, lambda x: (x, None), lambda r, g: (g,)),
+        r"functe\.custom_vjp: argument 'name' expected a non-empty str",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_RULE_ERRORS))
+def test_rule_building_errors_name_the_function_and_argument(case):
+    build, message = _RULE_ERRORS[case]
+    with pytest.raises(functe.RuleError, match=r"^functe\.[\w.]+: ") as info:
+        build()
+    assert info.match(message)
 
 
 def test_reshape_takes_an_int_as_torch_does():
@@ -262,6 +308,24 @@ def test_value_and_grad_params_take_none_leaves_and_name_a_non_float_leaf():
             functe.value_and_grad(loss)({"w": w, "b": None, "step": bad}, None, x)
 
 
+def test_value_and_grad_returns_an_aux_with_non_tensor_leaves_as_given():
+    # (torch.func refused an aux holding a number or None, "Expected tensors, got unsupported type
+    # <class 'int'>", and a loss without an aux got its message about grad_and_value(f))
+    def loss(p, s, x):
+        y = ops.linear(x, p["w"])
+        return y.square().sum(), {"rows": x.shape[0], "mean": y.mean(), "note": None}
+
+    x, w = make((4, 3)), make((2, 3))
+    (value, aux), grads, _ = functe.value_and_grad(loss, has_aux=True)({"w": w}, None, x)
+    assert aux["rows"] == 4 and aux["note"] is None and torch.equal(aux["mean"], (x @ w.T).mean())
+    assert torch.equal(value, (x @ w.T).square().sum())
+    assert torch.equal(grads["w"], torch.func.grad(lambda w: loss({"w": w}, None, x)[0])(w))
+    (_, aux), _, _ = functe.data_parallel_value_and_grad(loss, has_aux=True)({"w": w}, None, x)
+    assert aux["rows"] == 4 and torch.equal(aux["mean"], (x @ w.T).mean())
+    with pytest.raises(functe.ArgumentError, match=r"has_aux=True the function must return \(loss, aux\), got f32\[\]"):
+        functe.value_and_grad(lambda p, s: p["w"].sum(), has_aux=True)({"w": w}, None)
+
+
 def test_an_opaque_function_that_loses_a_captured_gradient_raises():
     # The opaque op differentiates its arguments only: q.grad stayed None without a word.
     q = make((4,)).requires_grad_()
@@ -434,7 +498,11 @@ _DS = functe.DelayedScaling(amax_history_len=4)
         (lambda: functe.fuse(lambda x: x, recipe="fp8"), functe.RecipeError, r"fuse: argument 'recipe' expected"),
         (lambda: functe.explain(lambda x: x, X, recipe="fp8"), functe.RecipeError, r"explain: argument 'recipe'"),
         (lambda: functe.check_oplist(3), functe.TraceError, r"check_oplist: argument 'oplist' expected an OpList"),
-        (lambda: functe.custom_vjp("f", 1, 2), functe.RuleError, r"custom_vjp f: fwd must be a function, got int"),
+        (
+            lambda: functe.custom_vjp("f", 1, 2),
+            functe.RuleError,
+            r"functe.custom_vjp: op f: fwd must be a function, got int",
+        ),
     ],
 )
 def test_state_and_recipe_helpers_check_their_arguments(call, error, message):

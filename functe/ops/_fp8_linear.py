@@ -291,8 +291,8 @@ def fp8_linear(
             scaling (in the backward, with dy's), so that states stay identical across its ranks
             (default: the tensor-parallel group, so under pure data parallelism nothing is
             reduced, unlike TE's default of the world; pass the data-parallel or the world group,
-            as TE's ``fp8_group``). FP8 fusions decline for a linear with an ``amax_group`` of
-            more than one rank (docs/parallel.md, "Fusion rules").
+            as TE's ``fp8_group``). The FP8 fusions keep it: their backward reduces the amaxes
+            over the group as this op's does (docs/parallel.md, "Fusion rules").
         seed: NVFP4 only (ignored by the deterministic recipes): a Python int or ``i64[]`` tensor,
             the random bits of the Hadamard transform and stochastic rounding. Pass a new seed
             each step; required unless the recipe disables both.

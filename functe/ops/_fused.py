@@ -407,20 +407,21 @@ def _norm_backward(kind: str, res, dy, *, eps, zero_centered_gamma):
     return (*norm._rms_norm.bwd(res, dy, **static), None)
 
 
-def q_in_norm_backward(linear, res, dy, *, kind, eps, zero_centered_gamma, recipe):
+def q_in_norm_backward(linear, res, dy, *, kind, eps, zero_centered_gamma, recipe, **parallel):
     """Backward of a q-in fusion ``linear(norm(x))`` (``linear``: ``fp8_linear`` or ``block_linear``):
     the unfused chain, the linear's rule then the norm's, on the residuals ``(norm's, linear's)``.
-    The linear's last cotangent (its scaling state's, or None for a seed) is passed through."""
+    The linear's last cotangent (its scaling state's, or None for a seed) is passed through;
+    ``parallel`` (an ``fp8_linear``'s amax group) goes to the linear's rule."""
     norm_res, lin_res = res
-    dh, dweight, dbias, last = linear.bwd(lin_res, dy, recipe=recipe)
+    dh, dweight, dbias, last = linear.bwd(lin_res, dy, recipe=recipe, **parallel)
     dx, dnorm_w, dnorm_b = _norm_backward(kind, norm_res, dh, eps=eps, zero_centered_gamma=zero_centered_gamma)
     return dx, dnorm_w, dnorm_b, dweight, dbias, last
 
 
-def q_in_activation_backward(linear, res, dy, *, name, limit, alpha, offset, recipe):
+def q_in_activation_backward(linear, res, dy, *, name, limit, alpha, offset, recipe, **parallel):
     """Backward of a q-in fusion ``linear(act(x))``: the linear's rule, then the activation's."""
     act_res, lin_res = res
-    dh, dweight, dbias, last = linear.bwd(lin_res, dy, recipe=recipe)
+    dh, dweight, dbias, last = linear.bwd(lin_res, dy, recipe=recipe, **parallel)
     dx, _ = act._activation.bwd(act_res, dh, name=name, interleave=0, limit=limit, alpha=alpha, offset=offset)
     return dx, dweight, dbias, last
 

@@ -18,6 +18,10 @@ scaling states that come back through the gradient (``docs/fp8.md``) are those o
 program, bit for bit. The fused kernels round to the producer's dtype before the amax and the cast
 (TE's do not), which is what makes them equal.
 
+Data parallelism: a linear's ``parallel`` without a tensor-parallel mode (an ``amax_group`` alone)
+is passed to the fused op, whose backward reduces the forward's and dy's amaxes over that group
+as ``fp8_linear``'s does (the forward communicates nothing). Tensor-parallel linears are not fused.
+
 Per-tensor recipes only (delayed and current scaling); MXFP8 quantizes the columnwise copies from
 the high-precision tensors, which these fusions would have to write anyway.
 """
@@ -60,7 +64,7 @@ def _input_cast_setup(op: str, rows: Tensor, weight: Tensor, state, recipe):
 
 
 def _forward_norm_fp8_linear_fwd(
-    x, norm_weight, norm_bias, weight, bias, state, *, kind, eps, zero_centered_gamma, recipe
+    x, norm_weight, norm_bias, weight, bias, state, *, kind, eps, zero_centered_gamma, recipe, parallel=None
 ):
     rows = rows_view(x)
     native, store, scale = _input_cast_setup("forward_norm_fp8_linear", rows, weight, state, recipe)
@@ -68,7 +72,7 @@ def _forward_norm_fp8_linear_fwd(
         rows, norm_weight, norm_bias, kind, eps, zero_centered_gamma, recipe, "input", scale, store
     )
     y, lin_res = fp8.forward_quantized(
-        xq, sx, amax, x.shape, x.dtype, weight, bias, state, recipe=recipe, native=native
+        xq, sx, amax, x.shape, x.dtype, weight, bias, state, recipe=recipe, native=native, parallel=parallel
     )
     # The norm's residuals (its inputs, and LayerNorm's statistics in its output's shape), fp8_linear's.
     norm_res = (x, norm_weight, *(s.view(x.shape[:-1]) for s in stats))
@@ -88,13 +92,13 @@ quantized in the norm kernel (q-in). Covers ``layer_norm | rms_norm, fp8_linear`
 # ----------------------------------------------------------------------------- q-in: activation -> fp8_linear
 
 
-def _forward_activation_fp8_linear_fwd(x, weight, bias, state, *, name, limit, alpha, offset, recipe):
+def _forward_activation_fp8_linear_fwd(x, weight, bias, state, *, name, limit, alpha, offset, recipe, parallel=None):
     rows = rows_view(x)
     native, store, scale = _input_cast_setup("forward_activation_fp8_linear", rows, weight, state, recipe)
     xq, sx, amax = cast_act_output(rows, name, recipe, "input", scale, store, limit=limit, alpha=alpha, offset=offset)
     h_shape = torch.Size((*x.shape[:-1], xq.shape[-1]))  # (fp8_linear keeps x.shape, a torch.Size)
     y, lin_res = fp8.forward_quantized(
-        xq, sx, amax, h_shape, x.dtype, weight, bias, state, recipe=recipe, native=native
+        xq, sx, amax, h_shape, x.dtype, weight, bias, state, recipe=recipe, native=native, parallel=parallel
     )
     return y, ((x, None), lin_res)  # the activation's residuals (its input), fp8_linear's
 
@@ -112,10 +116,10 @@ activation kernel (q-in; elementwise, gated and clamped activations, chunked lay
 # ------------------------------------------------------------------------- backward: fp8_linear -> [bias] -> activation
 
 
-def _backward_fp8_linear_activation_fwd(x, weight, bias, state, extra_bias, *, activation, recipe):
+def _backward_fp8_linear_activation_fwd(x, weight, bias, state, extra_bias, *, activation, recipe, parallel=None):
     # The unfused chain: fp8_linear, [bias], activation.
     _per_tensor("backward_fp8_linear_activation", recipe)
-    z, lin_res = fp8._fp8_linear.fwd(x, weight, bias, state, recipe=recipe)
+    z, lin_res = fp8._fp8_linear.fwd(x, weight, bias, state, recipe=recipe, parallel=parallel)
     res = [lin_res]
     if extra_bias is not None:
         z, bias_res = _bias.fwd(z, extra_bias)
@@ -124,14 +128,14 @@ def _backward_fp8_linear_activation_fwd(x, weight, bias, state, extra_bias, *, a
     return y, (*res, act_res)
 
 
-def _backward_fp8_linear_activation_bwd(res, dy, *, activation, recipe, needs_input_grad=(True,) * 5):
+def _backward_fp8_linear_activation_bwd(res, dy, *, activation, recipe, parallel=None, needs_input_grad=(True,) * 5):
     lin_res, (z, _) = res[0], res[-1]
     dy2 = rows_view(dy)
     lin_res, store, scale = fp8.grad_output_setup(lin_res, dy2, recipe)
     gq, dbias, sg, amax = cast_dact_output_dbias(dy2, rows_view(z), activation, recipe, "grad_output", scale, store)
     # (only the wanted GEMMs: a frozen weight's wgrad, whose residuals _prune dropped, is skipped)
     want = needs_input_grad[:2]
-    dx, dweight, state_ct = fp8.backward_quantized(lin_res, gq, sg, amax, recipe=recipe, want=want)
+    dx, dweight, state_ct = fp8.backward_quantized(lin_res, gq, sg, amax, recipe=recipe, parallel=parallel, want=want)
     # Both biases (the linear's own, a separate bias op's) have the gradient Σ_rows g.
     return dx, dweight, dbias if lin_res[5] else None, state_ct, dbias if len(res) == 3 else None
 
@@ -142,7 +146,7 @@ backward_fp8_linear_activation = custom_vjp(
     _backward_fp8_linear_activation_bwd,
     needs_input_grad=True,
     # (fp8_linear's pruning of its residuals, the first; the bias's and activation's are kept)
-    prune_residuals=prune_covered(0, fp8._prune, 4, static=("recipe",)),
+    prune_residuals=prune_covered(0, fp8._prune, 4, static=("recipe", "parallel")),
 )
 """``act(fp8_linear(x, weight, bias, state) [+ extra_bias])``; its backward computes
 ``g = dy·act'(z)``, the bias gradient and the quantization of ``g`` with the linear's grad-output

@@ -90,9 +90,9 @@ def any_parallel_reason(m: Match) -> str | None:
     """Why a fusion around a tensor-parallel FP8 linear declines, in either phase.
 
     The fused FP8 ops (q-in casts, dact + dbias + cast) call the linear's quantized forward or
-    backward directly, which neither reduces amaxes across ranks (TE's reduce_amax) nor
-    communicates activations, so any tensor-parallel mode, and an ``amax_group`` of more than one
-    rank (data-parallel replicas), keeps the unfused ops.
+    backward directly, which do not communicate activations, so any tensor-parallel mode keeps the
+    unfused ops. An ``amax_group`` alone (data-parallel replicas) fuses: the fused op's backward
+    reduces the amaxes over the group as the linear's does (see :func:`amax_group_param`).
 
     Example (an FP8 linear without parallelism fuses with its activation's backward):
         >>> import torch, functe
@@ -106,19 +106,19 @@ def any_parallel_reason(m: Match) -> str | None:
     """
     for eqn, p in _parallel_linears(m):
         return (
-            f"{p.mode} tensor-parallel {eqn.name}: the fused FP8 op neither reduces amaxes across ranks "
-            "nor communicates, so the linear keeps its own rules"
+            f"{p.mode} tensor-parallel {eqn.name}: the fused FP8 op does not communicate, so the linear "
+            "keeps its own rules"
         )
-    for eqn in m.covered:
-        # (data parallelism: no tensor-parallel mode, but amaxes MAX-reduced over the replicas so their
-        # states agree; fused, each replica's state silently followed its own batch)
-        p = eqn.params.get("parallel")
-        if p is not None and p.amax_group.size > 1:
-            return (
-                f"{eqn.name} reduces its amaxes over {p.amax_group.size} ranks (amax_group), which the fused FP8 "
-                "op does not do, so the linear keeps its own rules"
-            )
     return None
+
+
+def amax_group_param(m: Match, name: str) -> dict:
+    """``{"parallel": p}`` for the FP8 linear captured as ``name`` when it reduces its amaxes over
+    more than one rank (an ``amax_group``, no tensor-parallel mode: :func:`any_parallel_reason`
+    declined the others), else ``{}``: the fused op's backward reduces the amaxes over the group,
+    as the linear's own does; before, each replica's fused state silently followed its own batch."""
+    p = m.params(name).get("parallel")
+    return {"parallel": p} if p is not None and p.amax_group.size > 1 else {}
 
 
 def first_reason(*conditions: Callable[[Match], str | None]) -> Callable[[Match], str | None]:

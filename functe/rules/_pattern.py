@@ -50,6 +50,7 @@ from .._oplist import Atom, Eqn, Literal, OpList, Var, check_oplist, is_none, to
 from .._pickling import global_name, named
 from .._trace import forward_on_meta
 from .._tree import tree_flatten, tree_unflatten
+from .._vjp import CustomVJP
 
 PHASES = ("joint", "forward", "backward")
 
@@ -87,6 +88,23 @@ class Pattern:
         shared: bool = False,
     ):
         self.op = op if isinstance(op, tuple) else (op,)
+        for alternative in self.op:
+            if not isinstance(alternative, CustomVJP):
+                # (a public function, ops.linear, never matches: the rule would silently never fire)
+                hint = (
+                    " (the op a public function calls, e.g. functe.ops._core._linear)" if callable(alternative) else ""
+                )
+                raise RuleError(
+                    f"functe.rules.Pattern: argument 'op' expected a functe op (CustomVJP) or a tuple of them{hint}, "
+                    f"got {describe(alternative)}"
+                )
+        for arg, value in (("commutative", commutative), ("shared", shared)):
+            if not isinstance(value, bool):
+                raise RuleError(f"functe.rules.Pattern: argument '{arg}' expected a bool, got {value!r}")
+        if not (name is None or isinstance(name, str)) or not (out is None or type(out) is int):
+            raise RuleError(
+                f"functe.rules.Pattern: 'name' must be a str or None and 'out' an int or None, got {name!r}, {out!r}"
+            )
         self.variadic = bool(inputs) and inputs[-1] is Ellipsis
         inputs = inputs[:-1] if self.variadic else inputs
         self.inputs = inputs
@@ -96,7 +114,7 @@ class Pattern:
         self.shared = shared
         for i in inputs:
             if not (i is None or isinstance(i, (str, Pattern))):
-                raise RuleError(f"Pattern inputs are capture names, None or Patterns, got {i!r}")
+                raise RuleError(f"functe.rules.Pattern: inputs are capture names, None or Patterns, got {i!r}")
 
     def __repr__(self):
         args = ", ".join([*(repr(i) for i in self.inputs), *(["..."] if self.variadic else [])])
@@ -213,9 +231,16 @@ class Rule:
 
     def __post_init__(self):
         if self.phase not in PHASES:
-            raise RuleError(f"rule {self.name}: phase must be one of {PHASES}, got {self.phase!r}")
+            raise RuleError(f"functe.rules: rule {self.name}: phase must be one of {PHASES}, got {self.phase!r}")
         if not isinstance(self.pattern, Pattern):
-            raise RuleError(f"rule {self.name}: pattern must be a Pattern, got {type(self.pattern).__name__}")
+            raise RuleError(
+                f"functe.rules: rule {self.name}: pattern must be a Pattern, got {type(self.pattern).__name__}"
+            )
+        if not callable(self.rewrite) or not (self.condition is None or callable(self.condition)):
+            raise RuleError(
+                f"functe.rules: rule {self.name}: rewrite must be a function and condition a function or None, "
+                f"got {describe(self.rewrite)} and {describe(self.condition)}"
+            )
         if not self.location:
             frame = sys._getframe(2)
             object.__setattr__(self, "location", f"{frame.f_code.co_filename}:{frame.f_lineno}")
@@ -251,13 +276,13 @@ class RuleSet:
 
     def __init__(self, rules: Sequence[Rule] = ()):
         rules = tuple(rules)
+        for r in rules:
+            if not isinstance(r, Rule):
+                raise RuleError(f"functe.rules.RuleSet: a RuleSet holds Rules, got {describe(r)}")
         names = [r.name for r in rules]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise RuleError(f"rule names must be unique in a RuleSet; repeated: {duplicates}")
-        for r in rules:
-            if not isinstance(r, Rule):
-                raise RuleError(f"a RuleSet holds Rules, got {type(r).__name__}")
+            raise RuleError(f"functe.rules.RuleSet: rule names must be unique in a RuleSet; repeated: {duplicates}")
         self.rules = rules
 
     def __add__(self, other) -> RuleSet:
@@ -454,18 +479,18 @@ class _Rewriter:
                 # (a bool reads naturally as "applies?" but True would be taken as a reason to decline;
                 # an empty string, from `cond and "why"`-style code, would decline with no reason to print)
                 raise RuleError(
-                    f"rule {rule.name}: condition must return a non-empty reason string to decline or None "
-                    f"to fire, got {reason!r} (matched at {_location(root)})"
+                    f"functe.rules: rule {rule.name}: condition must return a non-empty reason string to decline "
+                    f"or None to fire, got {reason!r} (matched at {_location(root)})"
                 )
             self._decline(rule, root, reason)
             return None
         fused = _user_call(rule, "rewrite", root, rule.rewrite, m)
         if not isinstance(fused, Eqn):
-            raise RuleError(f"rule {rule.name}: rewrite must return an Eqn, got {type(fused).__name__}")
+            raise RuleError(f"functe.rules: rule {rule.name}: rewrite must return an Eqn, got {type(fused).__name__}")
         missing = [v for v in m.outputs if not any(v is o for o in fused.outputs)]
         if missing:
             raise TraceError(
-                f"rule {rule.name}: the fused equation must define every output used outside the match; "
+                f"functe.rules: rule {rule.name}: the fused equation must define every output used outside the match; "
                 f"missing {missing}"
             )
         originals = sorted({o for e in covered for o in e.originals}, key=self.rank.__getitem__)
@@ -491,7 +516,8 @@ def _user_call(rule: Rule, part: str, root: Eqn, fn: Callable, m: Match):
         raise
     except Exception as error:
         raise RuleError(
-            f"rule {rule.name}: its {part} raised {type(error).__name__}: {error} (matched at {_location(root)})"
+            f"functe.rules: rule {rule.name}: its {part} raised {type(error).__name__}: {error} "
+            f"(matched at {_location(root)})"
         ) from error
 
 
@@ -512,12 +538,12 @@ def _check_fused(rule: Rule, fused: Eqn) -> None:
     want = [None if v is None else (v.shape, v.dtype) for v in fused.outputs]
     if got != want or tree != fused.out_tree:
         raise TraceError(
-            f"rule {rule.name}: the fused op {fused.name} returns {got} with structure {tree}, "
+            f"functe.rules: rule {rule.name}: the fused op {fused.name} returns {got} with structure {tree}, "
             f"but the equation declares {want} with structure {fused.out_tree}"
         )
     if rule.phase == "forward" and not (isinstance(res, tuple) and len(res) == len(fused.covers)):
         raise TraceError(
-            f"rule {rule.name}: the forward rule of {fused.name} must return one residual per covered op "
+            f"functe.rules: rule {rule.name}: the forward rule of {fused.name} must return one residual per covered op "
             f"({len(fused.covers)}: {', '.join(e.name for e in fused.covers)}), got "
             f"{len(res) if isinstance(res, tuple) else type(res).__name__}"
         )
@@ -528,8 +554,8 @@ def _check_fused(rule: Rule, fused: Eqn) -> None:
             _, theirs = forward_on_meta(eqn.op, eqn.inputs, eqn.params, eqn.in_tree)
             if _residual_layout(mine) != _residual_layout(theirs):
                 raise TraceError(
-                    f"rule {rule.name}: residual {i} of the fused op {fused.name} must be what {eqn.name}'s "
-                    f"forward rule returns, {_residual_text(theirs)}; got {_residual_text(mine)}"
+                    f"functe.rules: rule {rule.name}: residual {i} of the fused op {fused.name} must be what "
+                    f"{eqn.name}'s forward rule returns, {_residual_text(theirs)}; got {_residual_text(mine)}"
                 )
 
 
@@ -565,7 +591,13 @@ def rewrite(
         >>> stats.fired
         {'forward_linear_bias_add': 1}
     """
+    if not isinstance(oplist, OpList):
+        raise RuleError(
+            f"functe.rules.rewrite: argument 'oplist' expected an OpList (functe.trace), got {describe(oplist)}"
+        )
+    if not isinstance(rules, RuleSet):
+        raise RuleError(f"functe.rules.rewrite: argument 'rules' expected a RuleSet, got {describe(rules)}")
     if phase not in PHASES:
-        raise RuleError(f"phase must be one of {PHASES}, got {phase!r}")
+        raise RuleError(f"functe.rules.rewrite: phase must be one of {PHASES}, got {phase!r}")
     rewriter = _Rewriter(rules.phase(phase), phase, recipe, max_rewrites)
     return rewriter.run(oplist), rewriter.stats

@@ -29,7 +29,7 @@ from ..ops import _core as core
 from ..ops import _fp8_linear as fp8
 from ..ops import _fused_block as fused_block
 from ..ops import _fused_fp8 as fused
-from ._parallel import any_parallel_reason, first_reason
+from ._parallel import amax_group_param, any_parallel_reason, first_reason
 from ._pattern import Match, Rule, RuleSet
 from ._pattern import Pattern as P
 from .activation import elementwise
@@ -80,7 +80,12 @@ def _norm_q_in(fused_op, lin: str):
         kind, beta = norm_kind(m)
         _, w, b, extra = m.args(lin)
         return m.fuse(
-            fused_op, [m["x"], m["g"], beta, w, b, extra], kind=kind, **m.params("norm"), recipe=m.params(lin)["recipe"]
+            fused_op,
+            [m["x"], m["g"], beta, w, b, extra],
+            kind=kind,
+            **m.params("norm"),
+            recipe=m.params(lin)["recipe"],
+            **amax_group_param(m, lin),
         )
 
     return rewrite
@@ -93,7 +98,8 @@ def _activation_q_in(fused_op, lin: str):
         p = m.params("act")
         _, w, b, extra = m.args(lin)
         static = {k: p[k] for k in ("name", "limit", "alpha", "offset")}
-        return m.fuse(fused_op, [m["x"], w, b, extra], **static, recipe=m.params(lin)["recipe"])
+        static.update(recipe=m.params(lin)["recipe"], **amax_group_param(m, lin))
+        return m.fuse(fused_op, [m["x"], w, b, extra], **static)
 
     return rewrite
 
@@ -112,6 +118,7 @@ def _fp8_activation(m: Match):
         [x, w, b, state, extra],
         activation=m.params("act")["name"],
         recipe=m.params("fp8")["recipe"],
+        **amax_group_param(m, "fp8"),
     )
 
 
