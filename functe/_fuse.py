@@ -681,6 +681,10 @@ class _Variant:
         # The plan's literal tensors (a captured frozen weight, a seed): plain tensors no input reaches
         # (see _trace._untracked_constant), so a backward that keeps one has an exact second order.
         literals = tuple(v for v in namespace.values() if isinstance(v, Tensor))
+        if plan.checks_captured:
+            # (a captured constant made trainable since the trace: the plan's own message, which
+            # says what to do, not custom_vjp's about constant residuals)
+            plan.check_captured(None)
         self.op = custom_vjp(f"fused_{name}", forward, bwd, symbolic_zeros=True, constant_residuals=literals)
         # per output leaf: whether no input that wants a gradient reaches it
         constant = tuple(not (isinstance(a, Var) and a in self.liveness.needs) for a in program.outputs)
@@ -891,8 +895,15 @@ class Fused:
             # plan alone would run and Dynamo would differentiate it, dropping the backward rules.
             _refuse_compiled_transforms(f"fuse({self.__name__})")
             walked: list[Tensor] = []
-            index, order = _compiled_plan_index(self, _constant_key((args, kwargs), walked))
-            plan = self._plans[index]
+            key = _constant_key((args, kwargs), walked)
+            index, order = _compiled_plan_index(self, key)
+            if _compiled_plan(self, index).sources:
+                # A plan that folded computations on captured tensors (`w.to(bf16)`) must see their
+                # in-place updates, which no Dynamo guard does (a version counter is data): the
+                # check runs outside the graph, and a retrace replaces the plan object, whose guard
+                # then recompiles. Before, the compiled graph kept the trace's values silently.
+                _refresh_outside_graph(self, key)
+            plan = _compiled_plan(self, index)
             tensors = [walked[i] for i in order]
             if plan.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
                 if plan.checks_captured:
@@ -990,12 +1001,14 @@ class Fused:
                 plan.bind(list(modules.values()), list(sources.values()))
             if stale is not None:  # (same signature: the plan is replaced in place)
                 self._plans[stale] = plan
+                setattr(self, f"_plan{stale}", plan)
                 self.stale_retraces += 1
                 if self.stale_retraces == RETRACE_WARNING:
                     self._warn_stale(plan)
                 return stale
             self._plans.append(plan)
             index = self._index[key] = len(self._plans) - 1
+            setattr(self, f"_plan{index}", plan)  # (what compiled code reads: see _compiled_plan)
             if len(self._plans) == RETRACE_WARNING:  # (signatures: stale retraces warn on their own)
                 self._warn_retracing(key, leaves)
             self._last_key = key
@@ -1260,6 +1273,28 @@ def _rebuild(key: Any) -> Any:
     if kind == "dc":
         return rebuild_dataclass(key[1], key[2], [_rebuild(k) for k in key[3]])
     return key[1](float.fromhex(key[2])) if kind == "F" else key[1]
+
+
+def _compiled_plan(fused: Fused, index: int) -> Plan:
+    # (by attribute, not self._plans[index]: Dynamo guards a list subscript on the list's length,
+    # so each new signature's plan recompiled every graph compiled before it)
+    return getattr(fused, f"_plan{index}")
+
+
+def _refresh(fused: Fused, key: Any) -> None:
+    """Retrace ``fused``'s plan for ``key`` if it went stale (run eagerly: a graph break)."""
+    args, kwargs = _rebuild(key)
+    fused._lookup(args, kwargs)
+
+
+_refresh_outside_graph = torch.compiler.disable(
+    _refresh,
+    reason=(
+        "functe.fuse: the plan folded computations on captured tensors (w.to(torch.bfloat16), 2 * w) "
+        "whose in-place updates are checked outside the graph; for fullgraph=True pass those tensors "
+        "to the fused function as arguments"
+    ),
+)
 
 
 @torch._dynamo.assume_constant_result

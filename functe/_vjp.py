@@ -45,6 +45,7 @@ style (``forward`` without ctx, plus ``setup_context``), which is the only style
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import pickle
 import types
@@ -363,6 +364,18 @@ class CustomVJP:
                 "module of its package) is this op"
             )
         return named, (*found, CustomVJP)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo: dict):
+        # An op is a value (its rules and Functions never change): a copy is the op itself, which
+        # also holds for ops bound to no global name (they do not pickle). An opaque op is its
+        # function's: a copied module's op calls the copied submodule.
+        fn = getattr(self, "opaque_fn", None)
+        if fn is None:
+            return self
+        return _opaque_op(copy.deepcopy(fn, memo), self.opaque_name)
 
     def __repr__(self):
         return f"custom_vjp({self.name})"

@@ -130,6 +130,72 @@ def test_a_compiled_fused_training_step_compiles_once_for_new_tensors_of_one_sig
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_a_new_signature_does_not_recompile_the_graphs_of_the_others():
+    # (the plan was read as fused._plans[index], on which Dynamo guards the list's length: every new
+    # signature's plan invalidated every graph compiled before it, 3 compiles for 2 shapes, 2k-1 for k)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("eager")
+    fused = functe.fuse(lambda x, w: ops.gelu(ops.linear(x, w)))
+    compiled = torch.compile(fused, backend=counter, fullgraph=True)
+    w = make((8, 8)).requires_grad_()
+    for n in (4, 6, 4, 6, 4, 6):
+        x = make((n, 8))
+        assert torch.equal(compiled(x, w), fused(x, w))
+    assert counter.frame_count == 2 and fused.trace_count == 2
+
+
+class _FoldingBlock(torch.nn.Module):
+    """A frozen buffer the fused forward folds (a cast copy): the plan's constant has it as its source."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.eye(4))
+        self.fused = functe.fuse(self._impl)
+
+    def _impl(self, x):
+        return ops.linear(x, self.w.to(torch.float64).to(torch.float32))
+
+    def forward(self, x):
+        return self.fused(x)
+
+
+def test_a_compiled_plan_sees_in_place_updates_of_the_tensors_it_folded():
+    # (no Dynamo guard sees a version counter: after load_state_dict the compiled graph kept
+    # computing with the trace's weights, where eager retraced)
+    block, x = _FoldingBlock(), make((2, 4))
+    compiled = torch.compile(block, backend="eager")
+    assert torch.equal(compiled(x), x)
+    block.load_state_dict({"w": 3.0 * torch.eye(4)})
+    assert torch.equal(compiled(x), 3.0 * x) and block.fused.trace_count == 2
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="folded computations on captured tensors"):
+        torch.compile(_FoldingBlock(), backend="eager", fullgraph=True)(x)
+
+
+def test_a_compiled_plan_refuses_a_captured_weight_made_trainable_after_the_trace():
+    # (building the plan's autograd op for the new call refused it first, with custom_vjp's message
+    # about "constant_residuals", naming neither the tensor's origin nor the remedy)
+    class Frozen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base = torch.nn.Parameter(torch.eye(8), requires_grad=False)
+            self.fused = functe.fuse(self._impl)
+
+        def _impl(self, x, w):
+            return ops.linear(ops.linear(x, self.base), w)
+
+        def forward(self, x, w):
+            return self.fused(x, w)
+
+    block, x, w = Frozen(), make((2, 8)), make((8, 8)).requires_grad_()
+    compiled = torch.compile(block, backend="eager")
+    compiled(x, w).sum().backward()
+    block.base.requires_grad_(True)
+    with pytest.raises(functe.TraceError, match=r"captured from the enclosing scope as a constant requires gradients"):
+        compiled(x, w).sum().backward()
+
+
 def test_compiled_dropout_with_a_changing_p():
     # The fp32 scale 1/(1-p) is folded by Dynamo (assume_constant_result): a symbolic p raised.
     fn = lambda x, p: ops.dropout(x, p, seed=torch.tensor(3))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 
@@ -114,3 +115,23 @@ def test_an_opaque_op_pickles_as_its_function():
     assert loaded_op is functe.opaque(loaded_sub) and loaded_op is not op
     x = make((2, 4))
     assert_close(loaded_op(x), sub(x))
+
+
+def test_a_deep_copy_of_a_module_holding_an_opaque_op_calls_its_own_submodule():
+    # (copied attribute by attribute, the op kept calling the original submodule)
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sub = torch.nn.Linear(4, 4).requires_grad_(False)
+            self.op = functe.opaque(self.sub)
+
+    holder, x = Holder(), make((2, 4))
+    twin = copy.deepcopy(holder)
+    with torch.no_grad():
+        twin.sub.weight.mul_(-1.0)
+    assert twin.op is functe.opaque(twin.sub) and holder.op is functe.opaque(holder.sub)
+    assert_close(twin.op(x), twin.sub(x))
+    assert_close(holder.op(x), holder.sub(x))
+    # (an op is a value: its copies are itself, also one bound to no global name, which does not pickle)
+    local = functe.custom_vjp("local_cube", _cube_fwd, _cube_bwd)
+    assert copy.deepcopy(_core._linear) is _core._linear and copy.deepcopy([local])[0] is local
