@@ -585,15 +585,22 @@ class Plan:
         or whether a parameter or buffer of a module the function reaches that the plan took as a
         constant now names another tensor (``torch.func.functional_call``, ``load_state_dict(assign=True)``,
         a submodule replaced) or has another dtype or shape (``module.half()`` swaps its ``.data``)."""
-        for owner, modules, name, t, dtype, shape in self.bindings:  # (~1 µs each: one per captured weight)
-            if _named_tensor(owner, modules, name) is not t or t.dtype is not dtype or t.shape != shape:
-                return True  # (a device move changes the arguments' devices too: a new signature)
+        if self.rebound():
+            return True
         for ref, version, requires_grad, storage in self.sources:
             t = ref()
             if t is not None and (
                 t._version != version or t.requires_grad != requires_grad or _trace.storage_of(t) != storage
             ):
                 return True  # (a new storage: p.data = ..., set_())
+        return False
+
+    def rebound(self) -> bool:
+        """Whether a module name the plan bound (:meth:`bind`) gives another tensor, or its tensor has
+        another dtype or shape (part of :meth:`stale`; no version counters, so Dynamo can trace it)."""
+        for owner, modules, name, t, dtype, shape in self.bindings:  # (~1 µs each: one per captured weight)
+            if _named_tensor(owner, modules, name) is not t or t.dtype is not dtype or t.shape != shape:
+                return True  # (a device move changes the arguments' devices too: a new signature)
         return False
 
     def variant(self, needs_grad: tuple[bool, ...] | None) -> _Variant:
@@ -902,6 +909,11 @@ class Fused:
                 # in-place updates, which no Dynamo guard does (a version counter is data): the
                 # check runs outside the graph, and a retrace replaces the plan object, whose guard
                 # then recompiles. Before, the compiled graph kept the trace's values silently.
+                _refresh_outside_graph(self, key)
+            elif _compiled_plan(self, index).bindings and _compiled_plan(self, index).rebound():
+                # (not taken: _compiled_plan_index just refreshed the plan; evaluating the names makes
+                # Dynamo guard them, so a module's replaced weight recompiles, and the recompile's
+                # lookup retraces; before, the graph kept computing with the replaced weight)
                 _refresh_outside_graph(self, key)
             plan = _compiled_plan(self, index)
             tensors = [walked[i] for i in order]

@@ -173,6 +173,35 @@ def test_a_compiled_plan_sees_in_place_updates_of_the_tensors_it_folded():
         torch.compile(_FoldingBlock(), backend="eager", fullgraph=True)(x)
 
 
+def test_a_compiled_plan_follows_a_module_weight_replaced_after_the_trace():
+    # (the plan holds the weight it captured; eager checks the module's names per call, but the
+    # compiled graph kept computing with the replaced weight)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    class Frozen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4, bias=False).requires_grad_(False)
+            self.fused = functe.fuse(self._impl)
+
+        def _impl(self, x):
+            return ops.linear(x, self.lin.weight)
+
+        def forward(self, x):
+            return self.fused(x)
+
+    block, x, counter = Frozen(), make((2, 4)), CompileCounterWithBackend("eager")
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    for _ in range(3):
+        assert torch.equal(compiled(x), x @ block.lin.weight.T)
+    block.lin.weight = torch.nn.Parameter(make((4, 4)), requires_grad=False)
+    assert torch.equal(compiled(x), x @ block.lin.weight.T)
+    block.lin = torch.nn.Linear(4, 4, bias=False).requires_grad_(False)
+    for _ in range(3):
+        assert torch.equal(compiled(x), x @ block.lin.weight.T)
+    assert counter.frame_count == 3 and block.fused.trace_count == 3
+
+
 def test_a_compiled_plan_refuses_a_captured_weight_made_trainable_after_the_trace():
     # (building the plan's autograd op for the new call refused it first, with custom_vjp's message
     # about "constant_residuals", naming neither the tensor's origin nor the remedy)
