@@ -984,6 +984,12 @@ class Fused:
         try:
             index = self._index.get(key)
         except TypeError:
+            if any(not isinstance(d, int) for t in tensors for d in t.shape):
+                raise TraceError(
+                    f"functe.fuse({self.__name__}): symbolic shapes ({describe(tensors[0])}; make_fx's "
+                    "tracing_mode='symbolic', a dynamic torch.export Dim) cannot key a plan: a fused function "
+                    "is planned per concrete shape; trace it with concrete shapes, or use the unfused ops"
+                ) from None
             static = [describe(leaf) for leaf in leaves if not isinstance(leaf, Tensor)]
             raise TraceError(
                 f"functe.fuse({self.__name__}): non-tensor arguments are static and must be hashable, got {static}"

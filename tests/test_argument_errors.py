@@ -326,6 +326,16 @@ def test_value_and_grad_returns_an_aux_with_non_tensor_leaves_as_given():
         functe.value_and_grad(lambda p, s: p["w"].sum(), has_aux=True)({"w": w}, None)
 
 
+def test_a_fused_function_under_symbolic_shapes_says_it_needs_concrete_ones():
+    # (the plan key holds SymInt sizes, which do not hash: the error blamed "non-tensor arguments",
+    # listing none)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fused = functe.fuse(lambda x, w: ops.gelu(ops.linear(x, w)))
+    with pytest.raises(functe.TraceError, match=r"fuse\(<lambda>\): symbolic shapes \(f32\[s\w+,s\w+\]"):
+        make_fx(fused, tracing_mode="symbolic")(make((4, 8)), make((6, 8)))
+
+
 def test_an_opaque_function_that_loses_a_captured_gradient_raises():
     # The opaque op differentiates its arguments only: q.grad stayed None without a word.
     q = make((4,)).requires_grad_()

@@ -240,6 +240,25 @@ def test_partial_blocks_under_inductor_match_eager():
         assert torch.equal(a, b)
 
 
+def test_partial_blocks_export_non_strict():
+    # (non-strict torch.export reports is_compiling() without Dynamo, so torch.compiler.disable did
+    # nothing and the partial-block twin called itself: RecursionError)
+    class Block(torch.nn.Module):
+        def __init__(self, recipe):
+            super().__init__()
+            self.recipe, self.w = recipe, torch.nn.Parameter(torch.randn(16, 40) / 8)
+
+        def forward(self, x):
+            return functe.ops.fp8_linear(x, self.w, None, None, recipe=self.recipe, seed=3)
+
+    x = torch.randn(4, 40, generator=torch.Generator().manual_seed(2))
+    for recipe in (functe.Float8BlockScaling(), functe.NVFP4BlockScaling()):
+        block = Block(recipe).eval()
+        with torch.no_grad():
+            exported = torch.export.export(block, (x,), strict=False)
+            assert torch.equal(exported.module()(x), block(x)), recipe
+
+
 @pytest.mark.parametrize(
     "recipe",
     [functe.CurrentScaling(), functe.MXFP8BlockScaling(), functe.Float8BlockScaling(), functe.NVFP4BlockScaling()],

@@ -312,3 +312,25 @@ def test_a_detached_state_leaf_is_a_bad_use(leaf):
         functe.value_and_grad(loss)(w, state, x)
     _, _, unchecked = functe.value_and_grad(loss, check=False)(w, state, x)
     assert unchecked.input.scale.isnan() and unchecked.weight.scale.isfinite()
+
+
+def test_value_and_grad_checks_no_counts_it_cannot_read():
+    # (check=True read the states' use counts back: "Cannot copy out of meta tensor; no data!" on
+    # meta tensors and DataDependentOutputException under FakeTensorMode, where shapes are all there is)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    recipe = functe.DelayedScaling(amax_history_len=4)
+
+    def loss(p, s, x):
+        return functe.ops.fp8_linear(x, p["w"], None, s, recipe=recipe).square().mean()
+
+    def step(device):
+        state = functe.tree_map(lambda t: t.to(device), functe.init_linear_scaling_state(recipe))
+        params, x = {"w": torch.randn(16, 32, device=device)}, torch.randn(8, 32, device=device)
+        value, grads, state = functe.value_and_grad(loss)(params, state, x)
+        return value.shape, grads["w"].shape, state.input.amax_history.shape
+
+    expected = (torch.Size([]), torch.Size([16, 32]), torch.Size([4]))
+    assert step("meta") == expected
+    with FakeTensorMode():
+        assert step("cpu") == expected

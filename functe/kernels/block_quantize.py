@@ -378,8 +378,13 @@ def _fp8_block_rows(mat, act, limit, alpha, offset, qdtype, out_dtype, block_row
 
 def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
     n_cols = act_layout(x, act)[3]
-    if n_cols % BLOCK and torch.compiler.is_compiling():  # (a partial last block: see _PARTIAL_BLOCKS)
+    if n_cols % BLOCK and torch.compiler.is_dynamo_compiling():  # (a partial last block: see _PARTIAL_BLOCKS)
         return _fp8_block_ref_eager(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps)
+    return _fp8_block_ref_traced(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps)
+
+
+def _fp8_block_ref_traced(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
+    n_cols = act_layout(x, act)[3]
     args = (act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps)
     q = torch.empty((math.prod(x.shape[:-1]), n_cols), dtype=out_dtype, device=x.device)
     scale_inv = torch.empty((-(-q.shape[0] // block_rows), -(-n_cols // BLOCK)), dtype=torch.float32, device=x.device)
@@ -392,8 +397,16 @@ def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, 
 # _PARTIAL_BLOCKS: torch 2.13's CPU Inductor reads garbage for the last, partial block of the padded
 # block views and of the per-element scale selection (every formulation tried; docs/block_scaling.md).
 # While Dynamo traces, the twins of partial blocks call these, which it cannot trace: a graph break,
-# the twin runs in Python (under fullgraph=True an error, not a wrong answer).
-_fp8_block_ref_eager = torch.compiler.disable(_fp8_block_ref, recursive=True)
+# the twin runs in Python (under fullgraph=True an error, not a wrong answer). The disabled copies
+# run the bodies, not the checking functions: non-strict torch.export reports is_compiling()
+# without Dynamo, where disable does nothing, and the check called itself until the stack ran out
+# (hence is_dynamo_compiling, too: no Dynamo, no graph break needed).
+_PARTIAL_REASON = (
+    "functe: a block-scaled tensor with a partial last block runs outside the compiled graph (torch 2.13's "
+    "CPU Inductor miscompiles it, docs/block_scaling.md); for fullgraph=True or a strict export, make the "
+    "dimension a multiple of the block size"
+)
+_fp8_block_ref_eager = torch.compiler.disable(_fp8_block_ref_traced, recursive=True, reason=_PARTIAL_REASON)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -573,15 +586,19 @@ def fp8_block_dequantize(data: Tensor, scale_inv: Tensor, block_rows: int, out_d
 def expand_block_scales(scales: Tensor, shape: torch.Size, block_rows: int, block_cols: int) -> Tensor:
     """Per-element fp32 scales of a tensor of ``shape`` from its block scales (1-D or 2-D blocks)."""
     partial = shape[-1] % block_cols or (block_rows > 1 and shape[0] % block_rows)
-    if partial and torch.compiler.is_compiling():  # (see _PARTIAL_BLOCKS)
+    if partial and torch.compiler.is_dynamo_compiling():  # (see _PARTIAL_BLOCKS)
         return _expand_block_scales_eager(scales, shape, block_rows, block_cols)
+    return _expand_block_scales(scales, shape, block_rows, block_cols)
+
+
+def _expand_block_scales(scales: Tensor, shape: torch.Size, block_rows: int, block_cols: int) -> Tensor:
     s = scales.to(torch.float32)
     if block_rows > 1:
         s = s.index_select(0, block_index(shape[0], block_rows, s.device))
     return s.index_select(-1, block_index(shape[-1], block_cols, s.device))
 
 
-_expand_block_scales_eager = torch.compiler.disable(expand_block_scales, recursive=True)  # (see _PARTIAL_BLOCKS)
+_expand_block_scales_eager = torch.compiler.disable(_expand_block_scales, recursive=True, reason=_PARTIAL_REASON)
 
 
 def block_index(n: int, block: int, device: torch.device) -> Tensor:
