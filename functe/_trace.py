@@ -183,7 +183,7 @@ def _unsupported(func, args, kwargs=None, why: str = "") -> TraceError:
 def _record(op: CustomVJP, args: tuple, static: dict[str, Any]):
     """``CustomVJP.__call__`` during a trace: record an equation if any argument is traced."""
     leaves, in_tree = tree_flatten(args)
-    if not any(isinstance(leaf, Tracer) for leaf in leaves):
+    if not any(isinstance(leaf, Tracer) for leaf in leaves) and not getattr(op, "records_constants", False):
         return NotImplemented  # constants only: compute now, the result is a constant
     if not torch.is_grad_enabled():
         # (the trace itself runs with grad on: the function turned it off. Unfused, the op's outputs

@@ -99,6 +99,14 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
             )
         loss, aux = out
         aux_leaves, aux_spec = tree_flatten(aux)
+        for i, leaf in enumerate(aux_leaves):
+            if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
+                # (returned as given, its tensors would be the finished transform's dead wrappers)
+                raise ArgumentError(
+                    f"functe.value_and_grad: aux leaf {_leaf_key(aux, i) or '(the aux itself)'!r} is a "
+                    f"{type(leaf).__name__} holding tensors, which functe cannot flatten: use dicts, lists and "
+                    "tuples, or register the class with functe.pytree_dataclass"
+                )
         aux_rest[:] = [aux_leaves, aux_spec]
         return loss, [leaf for leaf in aux_leaves if isinstance(leaf, torch.Tensor)]
 

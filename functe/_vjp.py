@@ -48,6 +48,7 @@ import contextlib
 import copy
 import inspect
 import pickle
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -287,7 +288,12 @@ class CustomVJP:
                     f"functe.custom_vjp: op {name}: constant_residuals must be plain tensors that require no gradient, "
                     f"got {describe(c)}"
                 )
-        # (where a pickle looks the op up by name: the module that defined its forward rule)
+        # (where a pickle looks the op up by name: the module that made it, then its forward rule's)
+        # (no frames while Dynamo traces, which builds a plan's ops: it cannot trace sys._getframe)
+        frame = None if torch.compiler.is_compiling() else sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__") == __name__:
+            frame = frame.f_back
+        self._made_in = None if frame is None else frame.f_globals.get("__name__")
         self._home = getattr(fwd, "__module__", None)
         # (rules that close over values: each recorded call checks them, see _refuse_captured_derivatives)
         self._closures = tuple(f for f in (fwd, bwd) if isinstance(f, types.FunctionType) and f.__closure__)
@@ -356,12 +362,12 @@ class CustomVJP:
         fn = getattr(self, "opaque_fn", None)
         if fn is not None:
             return _opaque_op, (fn, self.opaque_name)
-        found = global_name(self, self._home)
+        found = global_name(self, self._made_in) or global_name(self, self._home)
         if found is None:
             raise pickle.PicklingError(
                 f"functe.{self.name}: a custom_vjp op pickles by reference, like a function, so it must be "
-                f"bound to a module-level name; none of the globals of {self._home} (or of another loaded "
-                "module of its package) is this op"
+                f"bound to a module-level name; none of the globals of {self._made_in} or {self._home} (or of "
+                "another loaded module of their packages) is this op"
             )
         return named, (*found, CustomVJP)
 
@@ -370,10 +376,12 @@ class CustomVJP:
 
     def __deepcopy__(self, memo: dict):
         # An op is a value (its rules and Functions never change): a copy is the op itself, which
-        # also holds for ops bound to no global name (they do not pickle). An opaque op is its
-        # function's: a copied module's op calls the copied submodule.
+        # also holds for ops bound to no global name (they do not pickle). An opaque op of a module,
+        # method or function is its function's: a copied module's op calls the copied submodule.
         fn = getattr(self, "opaque_fn", None)
-        if fn is None:
+        if fn is None or not isinstance(fn, (types.FunctionType, types.MethodType, torch.nn.Module)):
+            # (another callable's op lives in a global table keyed by it: a copy per deepcopy would
+            # never be freed, so such an op stays the original's, as it was before)
             return self
         return _opaque_op(copy.deepcopy(fn, memo), self.opaque_name)
 
@@ -623,20 +631,30 @@ def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list
 def check_gradients(name: str, grads, in_meta: list, hint: str = "") -> None:
     """Every non-None gradient has its input's ``(shape, dtype)`` (``in_meta``; ``None`` for a
     non-tensor input, which takes no gradient), else a :class:`functe.RuleError` (autograd would
-    silently sum a ``[1,N]`` gradient to ``[N]``, or cast it). Not while compiling: the rules are
-    checked in eager calls, and Dynamo could not compare a symbolic shape saved by the forward
-    (a strict torch.export with a dynamic batch failed on it)."""
-    if torch.compiler.is_compiling():
-        return
+    silently sum a ``[1,N]`` gradient to ``[N]``, or cast it). While compiling, symbolic sizes are
+    not compared (Dynamo could not compare one saved by the forward: a strict torch.export with a
+    dynamic batch failed on it); the rank and the dtype still are."""
+    compiling = torch.compiler.is_compiling()
     for index, (ct, meta) in enumerate(zip(grads, in_meta)):
         if ct is None:
             continue
-        if meta is None or not isinstance(ct, Tensor) or ct.shape != meta[0] or ct.dtype != meta[1]:
+        if (
+            meta is None
+            or not isinstance(ct, Tensor)
+            or ct.dtype != meta[1]
+            or not _same_shape(ct.shape, meta[0], compiling)
+        ):
             expected = "None" if meta is None else describe_shape(meta[1], meta[0])
             raise RuleError(
                 f"functe.{name}: the backward rule returned {describe(ct)} for input leaf {index}, expected "
                 f"{expected}{hint}"
             )
+
+
+def _same_shape(shape, expected, compiling: bool) -> bool:
+    # (while compiling, the rank only: comparing even the concrete sizes of a shape the forward saved
+    # made Dynamo fail, "argument of type LazyProxy", under a strict export with a dynamic batch)
+    return len(shape) == len(expected) if compiling else shape == expected
 
 
 def argument_needs(leaf_needs, in_tree: PyTreeSpec) -> tuple[bool, ...]:

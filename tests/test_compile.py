@@ -376,3 +376,47 @@ def test_strict_export_with_a_dynamic_batch_and_grad_mode_on():
     exported = torch.export.export(block, (make((8, 32)),), dynamic_shapes={"x": {0: batch}}, strict=True)
     x = make((5, 32))
     assert_close(exported.module()(x), block(x))
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor")
+def test_a_compiled_backward_rule_returning_a_wrong_rank_is_refused():
+    # (the rules' gradient check was skipped whole while compiling: autograd summed the [3,4]
+    # gradient of a [4] input silently; under compile only symbolic sizes go unchecked now)
+    bad = functe.custom_vjp("bad_rank", lambda x: (x * 2.0, None), lambda _, g: (g.expand(3, *g.shape),))
+    x = make((4,)).requires_grad_()
+    with pytest.raises(functe.RuleError, match=r"returned f32\[3,4\] for input leaf 0, expected f32\[4\]"):
+        torch.autograd.grad(bad(x).sum(), x)
+    compiled = torch.compile(lambda x: bad(x).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises((functe.RuleError, torch._dynamo.exc.Unsupported)):
+        torch.autograd.grad(compiled(x), x)
+
+
+def test_a_frozen_module_fused_under_autocast_compiles_in_one_graph():
+    # (autocast's casts of the captured frozen weights were folded into constants whose sources a
+    # compiled plan checks outside the graph: fullgraph=True refused, and without it every call broke
+    # the graph twice; a cast of a captured tensor is now recorded, and runs in the graph)
+    torch._dynamo.utils.counters.clear()
+
+    class Frozen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 16).requires_grad_(False)
+            self.fused = functe.fuse(self._impl)
+
+        def _impl(self, x):
+            return ops.gelu(ops.linear(x, self.fc.weight, self.fc.bias))
+
+        def forward(self, x):
+            return self.fused(x)
+
+    block, x = Frozen(), make((4, 8)).requires_grad_()
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = compiled(x), block(x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        assert torch.equal(torch.autograd.grad(got.float().sum(), x)[0], torch.autograd.grad(want.float().sum(), x)[0])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = block.fused.plan(x)
+    assert plan.sources == [] and "cast" in str(plan.program)  # (the casts are equations, not constants)

@@ -26,6 +26,8 @@ def _cube_bwd(x, g):
 
 
 CUBE = functe.custom_vjp("cube", _cube_fwd, _cube_bwd)
+# (an op made here from another package's rules: found where it was made, not only in its rules' module)
+IDENTITY_AGAIN = functe.custom_vjp("identity_again", _core._identity_fwd, _core._identity_bwd)
 
 
 def _scale_twice(m):
@@ -70,6 +72,7 @@ def test_ops_and_rule_sets_load_by_reference():
     assert isinstance(loaded, RuleSet) and loaded.names == (DEFAULT_RULES + DOUBLE_SCALE).names
     assert all(a is b for a, b in zip(loaded.rules, (DEFAULT_RULES + DOUBLE_SCALE).rules, strict=True))
     assert _round_trip(_core._linear) is _core._linear and _round_trip(CUBE) is CUBE
+    assert _round_trip(IDENTITY_AGAIN) is IDENTITY_AGAIN
 
 
 def test_an_op_or_rule_without_a_global_name_says_why_it_cannot_be_pickled():
@@ -135,3 +138,21 @@ def test_a_deep_copy_of_a_module_holding_an_opaque_op_calls_its_own_submodule():
     # (an op is a value: its copies are itself, also one bound to no global name, which does not pickle)
     local = functe.custom_vjp("local_cube", _cube_fwd, _cube_bwd)
     assert copy.deepcopy(_core._linear) is _core._linear and copy.deepcopy([local])[0] is local
+
+
+def test_a_deep_copy_of_an_opaque_callable_object_leaves_no_global_entry():
+    # (a callable object's op lives in a global table keyed by it: an op made per deepcopy kept each
+    # copy, and its tensors, alive for the process)
+    from functe import _trace
+
+    class Scale:
+        def __init__(self):
+            self.factor = torch.full((4,), 2.0)
+
+        def __call__(self, x):
+            return x * self.factor
+
+    op, before = functe.opaque(Scale()), len(_trace._OPAQUE)
+    for _ in range(5):
+        assert copy.deepcopy({"op": op})["op"] is op
+    assert len(_trace._OPAQUE) == before

@@ -136,7 +136,7 @@ class Match:
         >>> from functe.ops import _core
         >>> from functe.rules import Pattern, Rule, RuleSet, rewrite
         >>> seen = []
-        >>> spy = Rule("spy", "forward", Pattern(_core._linear, "x", "w", None, name="lin"), None,
+        >>> spy = Rule("spy", "forward", Pattern(_core._linear, "x", "w", None, name="lin"), lambda m: None,
         ...            condition=lambda m: seen.append((m["w"].aval, m.eqn("lin").name)) or "only looking")
         >>> program = functe.trace(lambda x, w: ops.linear(x, w))(torch.ones(2, 3), torch.ones(5, 3))
         >>> _ = rewrite(program, RuleSet([spy]), "forward")
