@@ -99,27 +99,14 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
             )
         loss, aux = out
         aux_leaves, aux_spec = tree_flatten(aux)
-        for i, leaf in enumerate(aux_leaves):
-            if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
-                # (returned as given, its tensors would be the finished transform's dead wrappers)
-                raise ArgumentError(
-                    f"functe.value_and_grad: aux leaf {_leaf_key(aux, i) or '(the aux itself)'!r} is a "
-                    f"{type(leaf).__name__} holding tensors, which functe cannot flatten: use dicts, lists and "
-                    "tuples, or register the class with functe.pytree_dataclass"
-                )
+        # (returned as given, its tensors would be the finished transform's dead wrappers)
+        _refuse_hidden_tensors(aux, aux_leaves, "aux", ArgumentError, "would be a finished transform's wrappers")
         aux_rest[:] = [aux_leaves, aux_spec]
         return loss, [leaf for leaf in aux_leaves if isinstance(leaf, torch.Tensor)]
 
-    for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
-            # (an object optree cannot flatten is one opaque leaf: its scaling states would never
-            # enter the gradient, and the state would silently never update)
-            raise StateError(
-                f"functe.value_and_grad: state leaf {_leaf_key(state, i) or '(the state itself)'!r} is a "
-                f"{type(leaf).__name__}, which functe "
-                "cannot flatten (its tensors would never update): use dicts, lists and tuples, or register "
-                "the class with functe.pytree_dataclass"
-            )
+    # (an object optree cannot flatten is one opaque leaf: its scaling states would never enter the
+    # gradient, and the state would silently never update)
+    _refuse_hidden_tensors(state, leaves, "state", StateError, "would never update")
     tensors = [leaves[i] for i in positions]
     for i, t in zip(positions, tensors):
         if not t.is_floating_point():  # (torch.func would refuse it with a message naming nothing)
@@ -141,6 +128,17 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
     next_state = state_from_gradient(state, tree_unflatten(spec, _with(leaves, positions, state_grads)), check=check)
     param_grads = _with([None] * len(param_leaves), trainable, trainable_grads)
     return value, tree_unflatten(param_spec, param_grads), next_state
+
+
+def _refuse_hidden_tensors(tree: Any, leaves: list, what: str, error: type, why: str) -> None:
+    """Raise ``error`` for a leaf of ``tree`` that is an object holding tensors optree cannot flatten."""
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
+            raise error(
+                f"functe.value_and_grad: {what} leaf {_leaf_key(tree, i) or f'(the {what} itself)'!r} is a "
+                f"{type(leaf).__name__}, which functe cannot flatten (its tensors {why}): use "
+                "dicts, lists and tuples, or register the class with functe.pytree_dataclass"
+            )
 
 
 def _trainable_positions(leaves: list, params: Any) -> list[int]:
