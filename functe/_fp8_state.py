@@ -243,12 +243,14 @@ def _next_state(old: ScalingState, ct: ScalingState | None) -> tuple[ScalingStat
     return ScalingState(scale=scale, amax_history=history), uses
 
 
-def hides_tensors(x: Any, depth: int = 3) -> bool:
+def hides_tensors(x: Any, depth: int = 3, *, wrapped_only: bool = False) -> bool:
     """Whether a pytree leaf (an object functe cannot flatten) holds tensors or scaling states in its
     fields, items or attributes: they would never take part in a gradient (a recipe, a number or a
-    string holds none)."""
-    if isinstance(x, (torch.Tensor, ScalingState)):
-        return True
+    string holds none). ``wrapped_only``: only ``torch.func`` wrappers count."""
+    if isinstance(x, torch.Tensor):
+        return not wrapped_only or torch._C._functorch.is_functorch_wrapped_tensor(x)
+    if isinstance(x, ScalingState):
+        return not wrapped_only
     if depth == 0 or x is None or isinstance(x, (int, float, str, bytes, bool, type)):
         return False
     if isinstance(x, dict):
@@ -259,7 +261,7 @@ def hides_tensors(x: Any, depth: int = 3) -> bool:
         children = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
     else:
         children = list(getattr(x, "__dict__", {}).values())
-    return any(hides_tensors(c, depth - 1) for c in children)
+    return any(hides_tensors(c, depth - 1, wrapped_only=wrapped_only) for c in children)
 
 
 def _is_state(x: Any) -> bool:

@@ -183,7 +183,7 @@ def _unsupported(func, args, kwargs=None, why: str = "") -> TraceError:
 def _record(op: CustomVJP, args: tuple, static: dict[str, Any]):
     """``CustomVJP.__call__`` during a trace: record an equation if any argument is traced."""
     leaves, in_tree = tree_flatten(args)
-    if not any(isinstance(leaf, Tracer) for leaf in leaves) and not getattr(op, "records_constants", False):
+    if not any(isinstance(leaf, Tracer) for leaf in leaves):
         return NotImplemented  # constants only: compute now, the result is a constant
     if not torch.is_grad_enabled():
         # (the trace itself runs with grad on: the function turned it off. Unfused, the op's outputs
@@ -645,33 +645,40 @@ def opaque(fn: Callable, *, name: str | None = None) -> CustomVJP:
     table, key = _op_table(fn, name)
     op = table.get(key)
     if op is None:
-        label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"
+        op = table[key] = new_opaque_op(fn, name)
+    return op
 
-        def fwd(*args, **static):
-            if forward_ad_active():
-                _refuse_captured_tangents(fn, label, args)
-            rng = RandomState(args)  # (before fn draws: the backward replays the same draws)
-            versions = [_version(a) for a in args]
-            out = fn(*args, **static)
-            _refuse_written_arguments(label, args, versions)
-            # (and under the forward's autocast: the backward may run outside it)
-            return out, (args, rng, autocast_state())
 
-        def bwd(res, ct, **static):
-            args, rng, amp = res
-            reached = _named_values(fn, args)  # (one walk for both: the check and the state kept)
-            _refuse_grads_in(reached, label)
-            recompute = _CapturedState(reached).undone(label, "while the backward recomputes it")
-            with rng.restored(), autocast_as(amp), recompute:
-                return vjp_call(fn, args, ct, **static)
+def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
+    """The op :func:`opaque` makes for ``fn``, not memoised (a deep copy's own op: see
+    ``CustomVJP.__deepcopy__``)."""
+    label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"
 
-        op = table[key] = custom_vjp(label, fwd, bwd, keep_autocast=True)
-        op.opaque_fn = fn  # (a trace refuses a traced value it reaches by name: see _record)
-        op.opaque_name = name  # (a pickled op loads as opaque(fn, name=name): see CustomVJP.__reduce__)
-        # (functe.fuse checks the function's captured state per call: see Plan.check_captured)
-        op.opaque_check = functools.partial(_refuse_captured_grads, fn, label)
-        # (before the op's Function: inside its forward a torch.func wrapper shows no tangent)
-        op.precheck = functools.partial(_refuse_captured_transformed, fn, label)
+    def fwd(*args, **static):
+        if forward_ad_active():
+            _refuse_captured_tangents(fn, label, args)
+        rng = RandomState(args)  # (before fn draws: the backward replays the same draws)
+        versions = [_version(a) for a in args]
+        out = fn(*args, **static)
+        _refuse_written_arguments(label, args, versions)
+        # (and under the forward's autocast: the backward may run outside it)
+        return out, (args, rng, autocast_state())
+
+    def bwd(res, ct, **static):
+        args, rng, amp = res
+        reached = _named_values(fn, args)  # (one walk for both: the check and the state kept)
+        _refuse_grads_in(reached, label)
+        recompute = _CapturedState(reached).undone(label, "while the backward recomputes it")
+        with rng.restored(), autocast_as(amp), recompute:
+            return vjp_call(fn, args, ct, **static)
+
+    op = custom_vjp(label, fwd, bwd, keep_autocast=True)
+    op.opaque_fn = fn  # (a trace refuses a traced value it reaches by name: see _record)
+    op.opaque_name = name  # (a pickled op loads as opaque(fn, name=name): see CustomVJP.__reduce__)
+    # (functe.fuse checks the function's captured state per call: see Plan.check_captured)
+    op.opaque_check = functools.partial(_refuse_captured_grads, fn, label)
+    # (before the op's Function: inside its forward a torch.func wrapper shows no tangent)
+    op.precheck = functools.partial(_refuse_captured_transformed, fn, label)
     return op
 
 

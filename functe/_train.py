@@ -99,8 +99,10 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
             )
         loss, aux = out
         aux_leaves, aux_spec = tree_flatten(aux)
-        # (returned as given, its tensors would be the finished transform's dead wrappers)
-        _refuse_hidden_tensors(aux, aux_leaves, "aux", ArgumentError, "would be a finished transform's wrappers")
+        # (returned as given, the transform's tensors in it would be its dead wrappers; captured ones are fine)
+        _refuse_hidden_tensors(
+            aux, aux_leaves, "aux", ArgumentError, "would be a finished transform's wrappers", wrapped_only=True
+        )
         aux_rest[:] = [aux_leaves, aux_spec]
         return loss, [leaf for leaf in aux_leaves if isinstance(leaf, torch.Tensor)]
 
@@ -130,10 +132,13 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
     return value, tree_unflatten(param_spec, param_grads), next_state
 
 
-def _refuse_hidden_tensors(tree: Any, leaves: list, what: str, error: type, why: str) -> None:
-    """Raise ``error`` for a leaf of ``tree`` that is an object holding tensors optree cannot flatten."""
+def _refuse_hidden_tensors(
+    tree: Any, leaves: list, what: str, error: type, why: str, *, wrapped_only: bool = False
+) -> None:
+    """Raise ``error`` for a leaf of ``tree`` that is an object holding tensors optree cannot flatten
+    (``wrapped_only``: ``torch.func`` wrappers)."""
     for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf):
+        if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf, wrapped_only=wrapped_only):
             raise error(
                 f"functe.value_and_grad: {what} leaf {_leaf_key(tree, i) or f'(the {what} itself)'!r} is a "
                 f"{type(leaf).__name__}, which functe cannot flatten (its tensors {why}): use "

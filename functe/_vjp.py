@@ -376,14 +376,21 @@ class CustomVJP:
 
     def __deepcopy__(self, memo: dict):
         # An op is a value (its rules and Functions never change): a copy is the op itself, which
-        # also holds for ops bound to no global name (they do not pickle). An opaque op of a module,
-        # method or function is its function's: a copied module's op calls the copied submodule.
+        # also holds for ops bound to no global name (they do not pickle). An opaque op is its
+        # function's: a copied module's op calls the copied submodule.
         fn = getattr(self, "opaque_fn", None)
-        if fn is None or not isinstance(fn, (types.FunctionType, types.MethodType, torch.nn.Module)):
-            # (another callable's op lives in a global table keyed by it: a copy per deepcopy would
-            # never be freed, so such an op stays the original's, as it was before)
+        if fn is None:
             return self
-        return _opaque_op(copy.deepcopy(fn, memo), self.opaque_name)
+        copied = copy.deepcopy(fn, memo)
+        if isinstance(copied, (types.FunctionType, torch.nn.Module)) or (
+            isinstance(copied, types.MethodType) and isinstance(copied.__self__, torch.nn.Module)
+        ):
+            return _opaque_op(copied, self.opaque_name)  # (memoised on the copy itself: freed with it)
+        # (any other callable's op is memoised in a global table keyed by it: the copy's op is made
+        # unmemoised, or each deepcopy would stay alive in that table)
+        from ._trace import new_opaque_op
+
+        return new_opaque_op(copied, self.opaque_name)
 
     def __repr__(self):
         return f"custom_vjp({self.name})"

@@ -322,7 +322,14 @@ def test_value_and_grad_returns_an_aux_with_non_tensor_leaves_as_given():
     assert torch.equal(grads["w"], torch.func.grad(lambda w: loss({"w": w}, None, x)[0])(w))
     (_, aux), _, _ = functe.data_parallel_value_and_grad(loss, has_aux=True)({"w": w}, None, x)
     assert aux["rows"] == 4 and torch.equal(aux["mean"], (x @ w.T).mean())
-    hidden = lambda p, s, x: (loss(p, s, x)[0], {"pred": types.SimpleNamespace(y=x)})
+    # (an object holding the transform's tensors would come back holding dead wrappers; one holding
+    # captured tensors, a frozen head say, comes back as given)
+    head = torch.nn.Linear(3, 2)
+    (_, aux), _, _ = functe.value_and_grad(lambda p, s, x: (loss(p, s, x)[0], {"head": head}), has_aux=True)(
+        {"w": w}, None, x
+    )
+    assert aux["head"] is head
+    hidden = lambda p, s, x: (loss(p, s, x)[0], {"pred": types.SimpleNamespace(y=ops.linear(x, p["w"]))})
     with pytest.raises(
         functe.ArgumentError, match=r"aux leaf 'pred' is a SimpleNamespace, which functe cannot flatten"
     ):

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import make
 
 import functe
 from functe import CurrentScaling, DelayedScaling, ops
@@ -221,3 +222,30 @@ def test_mixed_parameter_dtypes_that_autocast_unifies_are_accepted():
         assert ops.scaled_swiglu(torch.ones(2, 4), torch.ones(2, dtype=BF16)).dtype == BF16
     with pytest.raises(functe.DTypeError, match="'weight' expected dtype bf16 to match 'x' bf16"):
         ops.linear(x, w, b)  # without autocast nothing is promoted
+
+
+def test_fused_under_autocast_with_captured_weights_keeps_second_order_and_no_grad_constants():
+    # (a regression hunt: recording autocast's casts of captured weights as equations, tried in stop
+    # 24, made the cast results intermediate residuals, refusing double backward and hessian, and
+    # refused a constant computed under no_grad inside the function)
+    w, c = make((8, 4)) * 0.3, make((3, 4))
+
+    def f(x):
+        with torch.no_grad():
+            k = ops.linear(c, w)  # (captured tensors only: a constant)
+        return ops.add_extra_input(ops.linear(x, w), k)
+
+    fused = functe.fuse(f)
+    x = make((3, 4)).to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for fn in (f, fused):
+            (g,) = torch.autograd.grad(fn(x).float().pow(2).sum(), x, create_graph=True)
+            (gg,) = torch.autograd.grad(g.float().sum(), x)
+            if fn is f:
+                expected = gg
+        assert torch.equal(gg, expected)
+        v = make((4,)).to(torch.bfloat16)
+        hessians = [
+            torch.func.hessian(lambda v, fn=fn: fn(v.expand(3, 4)).float().pow(2).sum())(v) for fn in (f, fused)
+        ]
+        assert torch.equal(hessians[0], hessians[1])

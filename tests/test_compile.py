@@ -391,12 +391,10 @@ def test_a_compiled_backward_rule_returning_a_wrong_rank_is_refused():
         torch.autograd.grad(compiled(x), x)
 
 
-def test_a_frozen_module_fused_under_autocast_compiles_in_one_graph():
-    # (autocast's casts of the captured frozen weights were folded into constants whose sources a
-    # compiled plan checks outside the graph: fullgraph=True refused, and without it every call broke
-    # the graph twice; a cast of a captured tensor is now recorded, and runs in the graph)
-    torch._dynamo.utils.counters.clear()
-
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor")
+def test_a_frozen_module_fused_under_autocast_follows_in_place_updates_when_compiled():
+    # Autocast's casts of captured frozen weights are folded constants whose sources the compiled
+    # call checks outside the graph (a graph break; fullgraph=True refuses): exact after load_state_dict.
     class Frozen(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -410,13 +408,10 @@ def test_a_frozen_module_fused_under_autocast_compiles_in_one_graph():
             return self.fused(x)
 
     block, x = Frozen(), make((4, 8)).requires_grad_()
-    compiled = torch.compile(block, backend="eager", fullgraph=True)
-    for _ in range(3):
+    compiled = torch.compile(block, backend="eager")
+    for step in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            got, want = compiled(x), block(x)
-        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+            got, want = compiled(x), block._impl(x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), step
         assert torch.equal(torch.autograd.grad(got.float().sum(), x)[0], torch.autograd.grad(want.float().sum(), x)[0])
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        plan = block.fused.plan(x)
-    assert plan.sources == [] and "cast" in str(plan.program)  # (the casts are equations, not constants)
+        block.load_state_dict({k: v * 2.0 for k, v in block.state_dict().items()})

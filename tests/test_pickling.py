@@ -152,7 +152,10 @@ def test_a_deep_copy_of_an_opaque_callable_object_leaves_no_global_entry():
         def __call__(self, x):
             return x * self.factor
 
-    op, before = functe.opaque(Scale()), len(_trace._OPAQUE)
+    scale = Scale()
+    op, before = functe.opaque(scale), len(_trace._OPAQUE)
     for _ in range(5):
-        assert copy.deepcopy({"op": op})["op"] is op
-    assert len(_trace._OPAQUE) == before
+        holder = copy.deepcopy({"scale": scale, "op": op})
+        holder["scale"].factor.fill_(3.0)  # (the copy's op calls the copied object)
+        assert torch.equal(holder["op"](torch.ones(4)), torch.full((4,), 3.0))
+    assert len(_trace._OPAQUE) == before and torch.equal(op(torch.ones(4)), torch.full((4,), 2.0))

@@ -19,10 +19,6 @@ def _cast_bwd(source_dtype, dy, *, dtype):
 
 
 cast = custom_vjp("cast", _cast_fwd, _cast_bwd)
-# A cast of a captured tensor is recorded, not folded into a constant: autocast casts every frozen
-# weight a traced function reads, and a folded cast made the weight a source whose in-place updates
-# a compiled plan can only check outside the graph (a graph break per call, no fullgraph=True).
-cast.records_constants = True
 """``cast(x, dtype=d)``: ``x`` in dtype ``d``; its gradient comes back in ``x``'s dtype."""
 
 
