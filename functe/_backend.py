@@ -115,6 +115,11 @@ def forward_ad_active() -> bool:
     return _forward_ad._current_level >= 0
 
 
+def has_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values a check could read back (not a meta or fake tensor: shapes only)."""
+    return t.device.type != "meta" and not torch._subclasses.fake_tensor.is_fake(t)
+
+
 def any_tangent(tensors) -> bool:
     """Whether one of ``tensors`` carries a tangent at the open ``torch.autograd.forward_ad`` level.
 

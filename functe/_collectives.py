@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ._backend import records
+from ._backend import has_values, records
 from ._errors import ArgumentError, DistributedError, DTypeError, ShapeError, check_flag, describe, dtype_name
 from ._scoped import ScopedSetting
 
@@ -194,9 +194,7 @@ def _describe_signature(sig: list[int]) -> str:
 
 
 def _skip_check(x: Tensor) -> bool:
-    if not _checks or x.device.type == "meta" or torch.compiler.is_compiling():
-        return True
-    if torch._subclasses.fake_tensor.is_fake(x):
+    if not _checks or torch.compiler.is_compiling() or not has_values(x):
         return True
     return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 

@@ -29,6 +29,7 @@ from typing import Any
 import optree
 import torch
 
+from ._backend import has_values
 from ._errors import StateError, describe
 from ._recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe
 from ._state import ScalingState, check_scaling_state, init_scaling_state
@@ -352,8 +353,8 @@ def _keystr(path: tuple) -> str:
 
 def _check_counts(counts: list[Tensor], names: list[str]) -> None:
     flat = torch.cat(counts)
-    if flat.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(flat):
-        return  # (shapes only: no values to read; "Cannot copy out of meta tensor" before)
+    if not has_values(flat):
+        return  # (shapes only: "Cannot copy out of meta tensor" before)
     bad = ((flat != 0) & (flat != 1)).tolist()  # the one host synchronisation
     if any(bad):
         sizes = [c.numel() for c in counts]

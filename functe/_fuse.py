@@ -904,18 +904,17 @@ class Fused:
             walked: list[Tensor] = []
             key = _constant_key((args, kwargs), walked)
             index, order = _compiled_plan_index(self, key)
-            if _compiled_plan(self, index).sources:
-                # A plan that folded computations on captured tensors (`w.to(bf16)`) must see their
-                # in-place updates, which no Dynamo guard does (a version counter is data): the
-                # check runs outside the graph, and a retrace replaces the plan object, whose guard
-                # then recompiles. Before, the compiled graph kept the trace's values silently.
-                _refresh_outside_graph(self, key)
-            elif _compiled_plan(self, index).bindings and _compiled_plan(self, index).rebound():
-                # (not taken: _compiled_plan_index just refreshed the plan; evaluating the names makes
-                # Dynamo guard them, so a module's replaced weight recompiles, and the recompile's
-                # lookup retraces; before, the graph kept computing with the replaced weight)
-                _refresh_outside_graph(self, key)
             plan = _compiled_plan(self, index)
+            # A plan that folded computations on captured tensors (`w.to(bf16)`) must see their
+            # in-place updates, which no Dynamo guard does (a version counter is data): the check
+            # runs outside the graph, and a retrace replaces the plan object, whose guard then
+            # recompiles. Module bindings need no break: rebound() is false here (the lookup above
+            # just refreshed the plan), but evaluating the names makes Dynamo guard them, so a
+            # replaced weight recompiles and the recompile's lookup retraces. Before, the compiled
+            # graph kept the trace's values and replaced weights silently.
+            if plan.sources or (plan.bindings and plan.rebound()):
+                _refresh_outside_graph(self, key)
+                plan = _compiled_plan(self, index)
             tensors = [walked[i] for i in order]
             if plan.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
                 if plan.checks_captured:

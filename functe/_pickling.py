@@ -13,14 +13,14 @@ import sys
 from typing import Any
 
 
-def global_name(obj: Any, home: str | None) -> tuple[str, str] | None:
-    """The (module, name) of a global bound to ``obj``: in module ``home`` first, then in the other
-    loaded modules of its package (an op or rule may be re-exported or defined apart from its rules);
-    None when there is none."""
-    home = home or ""
-    package = home.partition(".")[0]
-    others = sorted(m for m in list(sys.modules) if package and m.startswith(package + ".") and m != home)
-    for module_name in (home, *others):
+def global_name(obj: Any, *homes: str | None) -> tuple[str, str] | None:
+    """The (module, name) of a global bound to ``obj``: in the modules ``homes`` first, then in the
+    other loaded modules of their packages (an op or rule may be re-exported or defined apart from
+    its rules); None when there is none."""
+    homes = tuple(dict.fromkeys(h for h in homes if h))
+    packages = {h.partition(".")[0] + "." for h in homes}
+    others = sorted(m for m in list(sys.modules) if m.startswith(tuple(packages)) and m not in homes)
+    for module_name in (*homes, *others):
         module = sys.modules.get(module_name)
         for name, value in list(vars(module).items()) if module is not None else ():
             if value is obj:

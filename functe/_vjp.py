@@ -362,7 +362,7 @@ class CustomVJP:
         fn = getattr(self, "opaque_fn", None)
         if fn is not None:
             return _opaque_op, (fn, self.opaque_name)
-        found = global_name(self, self._made_in) or global_name(self, self._home)
+        found = global_name(self, self._made_in, self._home)
         if found is None:
             raise pickle.PicklingError(
                 f"functe.{self.name}: a custom_vjp op pickles by reference, like a function, so it must be "

@@ -241,11 +241,11 @@ class Rule:
                 f"functe.rules: rule {self.name}: rewrite must be a function and condition a function or None, "
                 f"got {describe(self.rewrite)} and {describe(self.condition)}"
             )
+        frame = sys._getframe(2)
         if not self.location:
-            frame = sys._getframe(2)
             object.__setattr__(self, "location", f"{frame.f_code.co_filename}:{frame.f_lineno}")
         # (where a pickle looks the rule up by name: the module that made it)
-        object.__setattr__(self, "_home", sys._getframe(2).f_globals.get("__name__"))
+        object.__setattr__(self, "_home", frame.f_globals.get("__name__"))
 
     def __reduce_ex__(self, protocol):
         # A rule bound to a module-level name (functe's own, or a user's) pickles by reference, as a
