@@ -43,7 +43,7 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
         >>> functe.all_reduce_gradients({"w": torch.ones(2), "b": None})["w"].tolist()
         [1.0, 1.0]
     """
-    check_flag("all_reduce_gradients", "average", average)  # (bool("False") is True: a sum taken for a mean)
+    average = check_flag("all_reduce_gradients", "average", average)  # (bool("False") is True: a sum taken for a mean)
     g = resolve_group("all_reduce_gradients", group)
     leaves, spec = tree_flatten(tree)
     # (a rank without tensors still joins the checks the others run, on a device of the group)

@@ -157,10 +157,22 @@ def check_same_dtype(
 
 
 def check_flag(op: str, arg: str, value: Any) -> bool:
-    """``value`` if it is a bool, else an :class:`ArgumentError` (``bool("no")`` would be True)."""
+    """``value`` if it is a bool (or a numpy bool, returned as a bool), else an
+    :class:`ArgumentError` (``bool("no")`` would be True)."""
+    if _numpy_scalar_kind(value) == "b":
+        return bool(value)
     if not isinstance(value, bool):
         raise ArgumentError(f"{_where(op, arg)} expected a bool, got {value!r}")
     return value
+
+
+def _numpy_scalar_kind(value: Any) -> str | None:
+    """numpy's dtype kind of a numpy scalar (``"b"``, ``"i"``, ``"u"``, ``"f"``...), else None.
+
+    (Checked by type, without importing numpy: a value read from a numpy array or config is a
+    numpy scalar, which is not a Python bool or int.)"""
+    kind = type(value).__module__ == "numpy" and getattr(value, "dtype", None)
+    return getattr(kind, "kind", None) if getattr(value, "ndim", None) == 0 else None
 
 
 def check_callable(op: str, arg: str, value: Any) -> Any:
@@ -172,17 +184,18 @@ def check_callable(op: str, arg: str, value: Any) -> Any:
 
 
 def check_number(op: str, arg: str, value: Any, *, finite: bool = True, minimum: float | None = None) -> float:
-    """``value`` as a float if it is a Python number (not a bool) that a float holds (``10**400`` is
-    not), finite unless ``finite=False`` and at least ``minimum``; else an :class:`ArgumentError`."""
+    """``value`` as a float if it is a Python or numpy number (not a bool) that a float holds
+    (``10**400`` is not), finite unless ``finite=False`` and at least ``minimum``; else an :class:`ArgumentError`."""
     number = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    python_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if python_number or _numpy_scalar_kind(value) in ("i", "u", "f"):
         try:
             number = float(value)
         except OverflowError:
             pass
     kind = ("a finite Python number" if finite else "a Python number") + ("" if minimum is None else f" >= {minimum:g}")
     if number is None or (finite and not math.isfinite(number)) or (minimum is not None and not number >= minimum):
-        shown = repr(value) if isinstance(value, (int, float, str)) else describe(value)
+        shown = repr(value) if isinstance(value, (int, float, str)) or _numpy_scalar_kind(value) else describe(value)
         shown = shown if len(shown) <= 40 else f"{shown[:37]}..."
         raise ArgumentError(f"{_where(op, arg)} expected {kind}, got {shown}")
     return number

@@ -215,8 +215,15 @@ def recipe_scale(amax: Tensor, *, recipe: Recipe, role: str) -> Tensor:
 def as_cotangent(new: ScalingState, uses: Tensor | float = 1.0) -> ScalingState:
     """The cotangent that carries ``new`` back to the caller: its history with the use count in slot 0."""
     history = new.amax_history
-    count = torch.as_tensor(uses, dtype=torch.float32, device=history.device).reshape(1)
-    return ScalingState(scale=new.scale, amax_history=torch.cat([count, history[1:]]))
+    return ScalingState(scale=new.scale, amax_history=torch.cat([use_count(uses, history), history[1:]]))
+
+
+def use_count(uses: Tensor | float, like: Tensor) -> Tensor:
+    """``uses`` as an f32[1] on ``like``'s device; a Python number is made there (``torch.as_tensor``
+    of one builds a host tensor and copies it: a synchronisation with the GPU, refused by CUDA graphs)."""
+    if isinstance(uses, Tensor):
+        return uses.to(device=like.device, dtype=torch.float32).reshape(1)
+    return torch.full((1,), float(uses), dtype=torch.float32, device=like.device)
 
 
 def _next_state(old: ScalingState, ct: ScalingState | None) -> tuple[ScalingState, Tensor | None]:

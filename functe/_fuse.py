@@ -57,6 +57,7 @@ from ._vjp import (
     _refuse_compiled_transforms,
     argument_needs,
     check_gradients,
+    cotangent_count_error,
     custom_vjp,
     higher_order_anchor,
 )
@@ -101,6 +102,10 @@ def _zeros_or(ct, meta) -> Tensor:
     return _zeros(meta) if ct is None else ct
 
 
+def _bad_cotangents(name: str, cts, count: int):
+    raise cotangent_count_error(name, cts, count, " (in a fused plan's backward; functe.rules.check tests a rule)")
+
+
 # ----------------------------------------------------------------------------- code generation
 
 
@@ -127,6 +132,7 @@ class _Emitter:
             "_zeros": _zeros,
             "_distinct": _distinct,
             "_zeros_or": _zeros_or,
+            "_bad_cotangents": _bad_cotangents,
             "_leaves": tree_leaves,
             "_unflatten": tree_unflatten,
             "_dataclass": rebuild_dataclass,
@@ -447,6 +453,13 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
             # which of the step's arguments want cotangents: known per plan variant (see custom_vjp)
             needs = f", needs_input_grad={_step_needs(e, live)!r}"
         em.emit(f"_c = {em.glob(e.op.bwd, 'b')}({res}, {em.pack(items, e.out_tree)}{em.params(e)}{needs})")
+        # (checked as custom_vjp checks it: a short tuple raised a bare IndexError below, a long one
+        # dropped its extra cotangents silently)
+        count = len(e.in_tree.children())
+        em.emit(
+            f"if (_c.__class__ is not tuple and not isinstance(_c, tuple)) or len(_c) != {count}: "
+            f"_bad_cotangents({e.op.name!r}, _c, {count})"
+        )
         # The step consumed its outputs' cotangents (complete: a variable has one producing step):
         # drop them, so an intermediate gradient is freed here, as autograd frees a node's inputs.
         done = [grads[v] for v in e.outputs if v is not None and v in grads]

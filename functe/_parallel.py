@@ -115,7 +115,7 @@ def linear_parallelism(
         raise ArgumentError(
             f"functe.{op}: argument 'tensor_parallel_mode' expected None, 'column' or 'row', got {mode!r}"
         )
-    check_flag(op, "sequence_parallel", sequence_parallel)
+    sequence_parallel = check_flag(op, "sequence_parallel", sequence_parallel)
     if mode is None and (sequence_parallel or group is not None):
         raise ArgumentError(
             f"functe.{op}: 'sequence_parallel' and 'group' apply to a tensor-parallel linear; "

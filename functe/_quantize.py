@@ -41,6 +41,7 @@ from .kernels.quantize import (
     DBIAS_CAST_AMAX,
     MXFP8_CAST,
     e8m0_to_float,
+    unit_scale,
 )
 
 Tensor = torch.Tensor
@@ -92,7 +93,7 @@ def cast(x: Tensor, recipe: Recipe, role: str, scale: Tensor | None, out_dtype: 
     if isinstance(recipe, DelayedScaling):
         q, amax = CAST_AMAX(x, scale, qdtype, out_dtype, True)
         return q, scale, amax
-    _, amax = CAST_AMAX(x, _ONE.to(x.device), qdtype, out_dtype, False)
+    _, amax = CAST_AMAX(x, unit_scale(x.device), qdtype, out_dtype, False)
     scale = recipe_scale(amax, recipe=recipe, role=role)
     q, _ = CAST_AMAX(x, scale, qdtype, out_dtype, True)
     return q, scale, amax
@@ -108,7 +109,7 @@ def cast_dbias(dy: Tensor, recipe: Recipe, role: str, scale: Tensor | None, out_
     if isinstance(recipe, DelayedScaling):
         q, dbias, amax = DBIAS_CAST_AMAX(dy, scale, qdtype, out_dtype, True)
         return q, dbias, scale, amax
-    _, dbias, amax = DBIAS_CAST_AMAX(dy, _ONE.to(dy.device), qdtype, out_dtype, False)
+    _, dbias, amax = DBIAS_CAST_AMAX(dy, unit_scale(dy.device), qdtype, out_dtype, False)
     scale = recipe_scale(amax, recipe=recipe, role=role)
     q, _ = CAST_AMAX(dy, scale, qdtype, out_dtype, True)
     return q, dbias, scale, amax
@@ -136,7 +137,7 @@ def cast_act(
     if isinstance(recipe, DelayedScaling):
         q, amax = ACT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
         return q, scale, amax
-    _, amax = ACT_CAST_AMAX(x, _ONE.to(x.device), act, *params, qdtype, out_dtype, False)
+    _, amax = ACT_CAST_AMAX(x, unit_scale(x.device), act, *params, qdtype, out_dtype, False)
     scale = recipe_scale(amax, recipe=recipe, role=role)
     q, _ = ACT_CAST_AMAX(x, scale, act, *params, qdtype, out_dtype, True)
     return q, scale, amax
@@ -148,7 +149,7 @@ def cast_dact_dbias(dy: Tensor, x: Tensor, act: str, recipe: Recipe, role: str, 
     if isinstance(recipe, DelayedScaling):
         q, dbias, amax = DACT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
         return q, dbias, scale, amax
-    _, dbias, amax = DACT_DBIAS_CAST_AMAX(dy, x, _ONE.to(dy.device), act, qdtype, out_dtype, False)
+    _, dbias, amax = DACT_DBIAS_CAST_AMAX(dy, x, unit_scale(dy.device), act, qdtype, out_dtype, False)
     scale = recipe_scale(amax, recipe=recipe, role=role)
     q, _, _ = DACT_DBIAS_CAST_AMAX(dy, x, scale, act, qdtype, out_dtype, True)
     return q, dbias, scale, amax
@@ -164,7 +165,7 @@ def _delayed_or_current(run, recipe: Recipe, role: str, scale: Tensor | None, de
     if isinstance(recipe, DelayedScaling):
         *out, amax = run(scale, True)
         return (*out, scale, amax)
-    _, *others, amax = run(_ONE.to(device), False)
+    _, *others, amax = run(unit_scale(device), False)
     scale = recipe_scale(amax, recipe=recipe, role=role)
     return (run(scale, True)[0], *others, scale, amax)
 
@@ -229,9 +230,6 @@ def cast_dact_output_dbias(dy: Tensor, x: Tensor, act: str, recipe: Recipe, role
         return DACT_OUTPUT_DBIAS_CAST_AMAX(dy, x, s, act, qdtype, out_dtype, write)
 
     return _delayed_or_current(run, recipe, role, scale, dy.device)
-
-
-_ONE = torch.ones((), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- public conversions
@@ -330,6 +328,10 @@ def _no_state(state, recipe) -> None:
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The values a :class:`QuantizedTensor` stands for, in ``dtype`` (computed in fp32).
+
+    As TE's, the product ``code * scale_inv`` is formed in fp32 whatever ``dtype`` is: a value
+    past fp32's range (``x = FLT_MAX`` with power-of-two scales rounds up to ``2**128``) is
+    ``inf`` in float64 too.
 
     Example:
         >>> import torch, functe

@@ -319,13 +319,23 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
             except FuncteError:
                 raise
             except Exception:
+                # (a TypeError about the call itself, e.g. a missing keyword, is no data dependence)
+                hint = "does the call pass its static parameters?" if _call_error(e) else "is it data-dependent?"
                 raise TraceError(
                     f"functe.trace: cannot infer the output shapes of {op.name} by running its forward rule on "
-                    f"shape-only (meta) tensors; is it data-dependent? ({type(e).__name__}: {e})"
+                    f"shape-only (meta) tensors; {hint} ({type(e).__name__}: {e})"
                 ) from e
     if not (isinstance(result, tuple) and len(result) == 2):
         raise RuleError(f"functe.{op.name}: the forward rule must return (out, residuals), got {describe(result)}")
     return result
+
+
+def _call_error(error: Exception) -> bool:
+    """Whether ``error`` is Python's refusal of a call's arguments (missing, unexpected, too many)."""
+    text = str(error)
+    return isinstance(error, TypeError) and (
+        "argument" in text and ("missing" in text or "unexpected" in text or "takes" in text)
+    )
 
 
 def infer_outputs(op, inputs, params: dict[str, Any], in_tree) -> Any:

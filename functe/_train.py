@@ -54,8 +54,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
     """
 
     check_callable("value_and_grad", "fn", fn)
-    check_flag("value_and_grad", "has_aux", has_aux)
-    check_flag("value_and_grad", "check", check)
+    has_aux = check_flag("value_and_grad", "has_aux", has_aux)
+    check = check_flag("value_and_grad", "check", check)
 
     def step(params, state, *args, **kwargs):
         return _step(fn, has_aux, check, params, state, args, kwargs)

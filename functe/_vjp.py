@@ -614,11 +614,7 @@ def _differentiable(dtype: torch.dtype) -> bool:
 def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list:
     arg_trees = call.in_tree.children()
     if not isinstance(cts, tuple) or len(cts) != len(arg_trees):
-        raise RuleError(
-            f"functe.{name}: the backward rule must return a tuple of {len(arg_trees)} cotangents "
-            f"(one per positional argument), got {describe(cts)}"
-            + (f" of length {len(cts)}" if isinstance(cts, tuple) else "")
-        )
+        raise cotangent_count_error(name, cts, len(arg_trees))
     flat: list = []
     for index, (tree, ct) in enumerate(zip(arg_trees, cts)):
         if ct is None:
@@ -633,6 +629,16 @@ def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list
         flat.extend(ct_leaves)
     check_gradients(name, flat, in_meta)
     return flat
+
+
+def cotangent_count_error(name: str, cts: Any, count: int, where: str = "") -> RuleError:
+    """The error for a backward rule whose result is not a tuple of ``count`` cotangents."""
+    return RuleError(
+        f"functe.{name}: the backward rule must return a tuple of {count} cotangents "
+        f"(one per positional argument), got {describe(cts)}"
+        + (f" of length {len(cts)}" if isinstance(cts, tuple) else "")
+        + where
+    )
 
 
 def check_gradients(name: str, grads, in_meta: list, hint: str = "") -> None:

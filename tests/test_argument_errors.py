@@ -457,6 +457,20 @@ def test_in_place_must_be_a_bool_and_leaves_the_buffer_alone():
     assert torch.equal(extra, torch.ones(3))
 
 
+def test_numpy_scalars_are_taken_as_the_bools_and_numbers_they_are():
+    # (a flag or eps read from a numpy array or a config is a numpy scalar, not a Python bool/float)
+    np = pytest.importorskip("numpy")
+    x, g, b = make((3, 8)), make((8,)), make((8,))
+    expected = ops.layer_norm(x, g, b, eps=1e-3, zero_centered_gamma=True)
+    got = ops.layer_norm(x, g, b, eps=np.float32(1e-3), zero_centered_gamma=np.bool_(True))
+    assert torch.equal(got, expected)
+    assert ops.layer_norm(x, g, b, zero_centered_gamma=np.False_).equal(ops.layer_norm(x, g, b))
+    with pytest.raises(functe.ArgumentError, match=r"'zero_centered_gamma' expected a bool, got np.int64\(1\)"):
+        ops.layer_norm(x, g, b, zero_centered_gamma=np.int64(1))
+    with pytest.raises(functe.ArgumentError, match=r"'eps' expected .*, got np.float32\(nan\)"):
+        ops.layer_norm(x, g, b, eps=np.float32("nan"))
+
+
 _STATE = functe.init_scaling_state(4)
 _DS = functe.DelayedScaling(amax_history_len=4)
 

@@ -75,7 +75,7 @@ _NORM_ARGS = {
     "n_rows": "i32",
     "n_cols": "i32",
     "n_blocks": "i32",
-    "inv_n": "fp32",
+    "count": "i32",
     "eps": "fp32",
     "amax_eps": "fp32",
 }

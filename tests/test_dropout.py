@@ -54,7 +54,9 @@ def test_kept_fraction_z_test_and_independence():
     neighbouring element or with the next seed."""
     n = 1 << 17
     for p, seed in ((1 / 16, 11), (0.5, 12), (0.75, 13)):
-        for backend in ("torch", "interpret"):
+        # (the kernel's masks equal the twin's bit for bit, test above: the interpreter's 2^17-element
+        # runs took 30 s of CI here for the same bits)
+        for backend in ("torch",):
             with functe.use_backend(backend):
                 keep = ops.dropout(torch.ones(n), p, seed=seed) != 0
                 other = ops.dropout(torch.ones(n), p, seed=seed + 1) != 0

@@ -858,6 +858,36 @@ def test_the_fused_backward_frees_each_cotangent_after_its_step():
     assert seen["b alive at a"] is False  # b's cotangent (made by c's step) was freed before a's step
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_backward_rule_returning_the_wrong_number_of_cotangents_is_refused_in_a_plan(count):
+    # The generated backward indexed the rule's tuple: one short raised a bare IndexError naming no
+    # op, one long dropped its extra cotangent silently. Now the message custom_vjp gives unfused.
+    def bwd(res, dy):
+        x, y = res
+        return (dy * y, dy * x, dy)[:count]
+
+    mul = functe.custom_vjp("user_mul", lambda x, y: (x * y, (x, y)), bwd)
+    x, y = make((3,)).requires_grad_(), make((3,)).requires_grad_()
+    message = rf"functe.user_mul: the backward rule must return a tuple of 2 cotangents .* of length {count}"
+    with pytest.raises(functe.RuleError, match=message):
+        torch.autograd.grad(mul(x, y).sum(), (x, y))
+    fused = functe.fuse(lambda x, y: mul(x, y) * 2.0)
+    with pytest.raises(functe.RuleError, match=message + r" \(in a fused plan's backward"):
+        torch.autograd.grad(fused(x, y).sum(), (x, y))
+    with pytest.raises(functe.RuleError, match=message):
+        torch.func.grad(lambda x, y: fused(x, y).sum())(x.detach(), y.detach())
+
+
+def test_a_backward_rule_may_return_a_namedtuple_in_a_plan():
+    # (custom_vjp takes any tuple; the plan's first count check refused a namedtuple of the right length)
+    grads = collections.namedtuple("Grads", "dx dy")
+    mul = functe.custom_vjp("user_mul_nt", lambda x, y: (x * y, (x, y)), lambda r, g: grads(g * r[1], g * r[0]))
+    x, y = make((3,)).requires_grad_(), make((3,)).requires_grad_()
+    fused = functe.fuse(lambda x, y: mul(x, y) * 2.0)
+    gx, gy = torch.autograd.grad(fused(x, y).sum(), (x, y))
+    assert torch.equal(gx, 2.0 * y) and torch.equal(gy, 2.0 * x)
+
+
 def test_fuse_inside_a_trace_is_inlined():
     inner = functe.fuse(lambda x, w: ops.linear(x, w) * 2.0)
     text = str(functe.trace(lambda x, w: inner(x, w) + x)(torch.zeros(3, 3), torch.zeros(3, 3)))

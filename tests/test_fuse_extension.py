@@ -15,7 +15,7 @@ from helpers import check_transforms, make, saved_storages
 
 import functe
 from functe import ops
-from functe.ops import _core
+from functe.ops import _activation, _core
 from functe.rules import DEFAULT_RULES, Pattern, Rule, RuleSet, check
 from functe.testing import assert_close
 
@@ -248,8 +248,66 @@ def test_check_catches_a_wrong_fp8_fusion():
 
 
 def test_check_reports_a_rule_that_does_not_fire():
-    with pytest.raises(AssertionError, match=r"rule axpy did not fire$"):
+    with pytest.raises(AssertionError, match=r"rule axpy did not fire: .*no add_extra_input equation in the program "):
         check(AXPY, (torch.empty(3),), fn=lambda x: x * 2.0)
+
+
+def test_check_gives_both_orders_of_a_commutative_pattern_that_misses():
+    # (the first order's reason alone was reported: "input 0 ... not made by an equation" for a program
+    # written r + linear(...), whose real miss is the bias)
+    pattern = Pattern(_core._add_extra_input, Pattern(_core._linear, "x", "w", None), "r", commutative=True)
+    rule = Rule("linear_add_nobias", "forward", pattern, lambda m: None)
+    with pytest.raises(AssertionError) as info:
+        check(rule, (torch.empty(4, 3), torch.empty(5, 3), torch.empty(5), torch.empty(4, 5)),
+              fn=lambda x, w, b, r: r + ops.linear(x, w, b))  # fmt: skip
+    message = str(info.value)
+    assert "with its first two inputs swapped, input 2 of linear is f32[5], the pattern wants None" in message, message
+
+
+def test_a_rewrite_that_forgets_a_static_parameter_is_named():
+    # (the error blamed data dependence and named no rule)
+    def axpby_fwd(s, x, r, *, beta):
+        return torch.addcmul(r * beta, x, s), ((x, s), None)
+
+    axpby = functe.custom_vjp("axpby", axpby_fwd, lambda res, dy, *, beta: _axpy_bwd(res, dy))
+    forgetful = Rule("forgetful_axpby", "forward", AXPY.pattern, lambda m: m.fuse(axpby, [m["s"], m["x"], m["r"]]))
+    message = (
+        r"rule forgetful_axpby: its rewrite made a axpby call \(static parameters: none\) that cannot run: .*"
+        r"does the call pass its static parameters\? \(TypeError: .*missing 1 required keyword-only argument: 'beta'"
+    )
+    with pytest.raises(functe.TraceError, match=message):
+        check(forgetful, (torch.empty(3), torch.empty(()), torch.empty(3)), fn=lambda x, s, r: scale_by(x, s) + r)
+
+
+@pytest.mark.parametrize(
+    ("nested", "fn", "why"),
+    [
+        # a newcomer's linear without its bias slot: linear has 3 inputs (x, w, bias)
+        (
+            Pattern(_core._linear, "x", "w"),
+            lambda x, w, b: ops.gelu(ops.linear(x, w, b)),
+            r"the pattern gives linear 2 inputs, the equation has 3 \(f32\[4,3\], f32\[5,3\], f32\[5\]\)",
+        ),
+        (
+            Pattern(_core._linear, "x", "w", None),
+            lambda x, w, b: ops.gelu(ops.linear(x, w, b)),
+            r"input 2 of linear is f32\[5\], the pattern wants None",
+        ),
+        (
+            Pattern(_core._linear, "x", "w", "b"),
+            lambda x, w, b: ops.gelu(ops.bias(ops.linear(x, w), b)),
+            r"input 0 of activation is made by bias, the pattern wants linear",
+        ),
+    ],
+)
+def test_check_says_where_a_pattern_misses_the_program(nested, fn, why):
+    # (the rule silently never fired: check said only "did not fire", explain nothing)
+    rule = Rule("my_gelu_linear", "forward", Pattern(_activation._activation, nested, None), lambda m: None)
+    with pytest.raises(
+        AssertionError,
+        match=r"rule my_gelu_linear did not fire: its pattern does not match \(activation -> f32\[4,5\]: " + why,
+    ):
+        check(rule, (torch.empty(4, 3), torch.empty(5, 3), torch.empty(5)), fn=fn)
 
 
 # ----------------------------------------------------------------------- a backward fusion that skips unwanted work

@@ -798,6 +798,61 @@ def test_cached_phase2_calls_never_read_tensor_data_on_the_host():
         assert fused.trace_count == 1
 
 
+class _HostTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every aten op given a CPU tensor: on a GPU, a CPU constant reaching a device op is
+    copied from pageable host memory, a synchronisation that CUDA-graph capture refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(a, torch.Tensor) and a.is_cpu for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            self.seen.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("recipe", [CURRENT, DELAYED, functe.MXFP8BlockScaling()], ids=lambda r: type(r).__name__)
+def test_quantized_steps_off_the_cpu_use_no_host_constants(recipe):
+    # (meta tensors stand for a GPU's: no CPU tensor may reach an op; current scaling's amax pass
+    # used a CPU scale of 1 moved with .to(device) in every quantizing cast)
+    def rand(*shape):
+        return torch.empty(*shape, device="meta", dtype=BF16, requires_grad=True)
+
+    x, w1, b1, w2, g = rand(32, 64), rand(64, 64), rand(64), rand(64, 64), rand(64)
+    states = [functe.init_linear_scaling_state(recipe, device="meta") for _ in range(2)]
+    leaves = [x, w1, b1, w2, g] + [t.requires_grad_() for t in torch.utils._pytree.tree_leaves(states) if t is not None]
+
+    def step(x, w1, b1, w2, g, states):
+        h = ops.fp8_linear(ops.rms_norm(x, g), w1, b1, states[0], recipe=recipe)
+        return ops.fp8_linear(ops.gelu(h), w2, None, states[1], recipe=recipe)
+
+    for fn in (step, functe.fuse(step)):
+        recorder = _HostTensors()
+        with recorder:
+            y = fn(x, w1, b1, w2, g, states)
+            torch.autograd.grad(y.float().sum(), leaves)
+        assert recorder.seen == [], recorder.seen
+
+
+def test_a_state_cotangents_use_count_is_made_on_the_device():
+    # (torch.as_tensor(1.0, device="cuda") copies a host tensor: a synchronisation in every
+    # delayed-scaling backward, as_cotangent's use count)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from functe._fp8_state import use_count
+
+    with FakeTensorMode():
+        history = torch.zeros(4, device="cuda")
+        recorder = _HostTensors()
+        with recorder:
+            counts = [use_count(1.0, history), use_count(0, history)]
+        assert [c.device.type for c in counts] == ["cuda", "cuda"] and counts[0].shape == (1,)
+    assert recorder.seen == [], recorder.seen
+    assert use_count(2, torch.zeros(3)).tolist() == [2.0]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", [None, DELAYED], ids=["bf16", "fp8-delayed"])
 def test_cuda_graph_capture_of_a_fused_training_step(recipe):

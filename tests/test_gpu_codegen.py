@@ -308,6 +308,26 @@ def test_compiled_launches_make_their_tensors_device_current(monkeypatch):
     assert _triton.launch_device((torch.empty(2), on_1)) is None  # (a CPU launch: the interpreter's)
 
 
+def test_the_gemm_launch_and_its_autotuning_run_on_their_tensors_device(monkeypatch):
+    # The autotuner times configurations with events on the *current* device's stream: a GEMM on
+    # cuda:1 tensors while cuda:0 was current chose its configuration from the wrong device's timings.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        on_1, on_0 = torch.empty(2, device="cuda:1"), torch.empty(2, device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    context = _triton.on_device_of(on_1)
+    assert isinstance(context, torch.cuda.device) and context.idx == 1
+    assert not isinstance(_triton.on_device_of(on_0), torch.cuda.device)
+    assert not isinstance(_triton.on_device_of(torch.empty(2)), torch.cuda.device)
+    entered = []
+    monkeypatch.setattr(gemm, "on_device_of", lambda t: entered.append(t) or _triton.on_device_of(t))
+    a = torch.randn(4, 8)
+    with functe.use_backend("interpret"):
+        gemm.gemm(a, torch.randn(6, 8))
+    assert len(entered) == 1 and entered[0] is a
+
+
 def test_norm_statistics_use_ieee_sqrt_and_division_on_the_gpu(recorded, tmp_path, monkeypatch):
     # tl.sqrt compiled to sqrt.approx.ftz: a subnormal variance (eps = 0) flushed to 0 and rstd = inf
     # on a GPU, where the interpreter and the twins stay finite.
@@ -318,3 +338,21 @@ def test_norm_statistics_use_ieee_sqrt_and_division_on_the_gpu(recorded, tmp_pat
     for spec in specs:
         ptx = compile_for_sm90(spec).asm["ptx"]
         assert "sqrt.rn.f32" in ptx and "sqrt.approx" not in ptx, spec[0].__name__
+
+
+def test_fp64_norm_statistics_are_not_computed_from_fp32_scalars(tmp_path, monkeypatch):
+    # A Python float argument is fp32 in a compiled kernel (the interpreter keeps the double): 1/N
+    # passed as a float left fp64 LayerNorm and RMSNorm statistics fp32-accurate on a GPU (~1e-7).
+    # Only eps may still be widened (its rounding moves var + eps by ~eps * 3e-8).
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    x, w, b = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((3, 40), (40,), (40,)))
+    with functe.use_backend("interpret"), _triton.record_launches() as log:
+        _grads(lambda x, w, b: ops.layer_norm(x, w, b), x, w, b)
+        _grads(lambda x, w: ops.rms_norm(x, w), x, w)
+        _grads(ops.l2_normalize, x)
+    specs = list(dict.fromkeys(as_on_gpu(specialisation(*launch[:3])) for launch in log))
+    assert {s[0] for s in specs} == {norm._norm_fwd_kernel, norm._norm_bwd_kernel}, specs
+    for spec in specs:
+        ttir = compile_for_sm90(spec).asm["ttir"]
+        widened = [line.strip() for line in ttir.splitlines() if "arith.extf" in line and "f32 to f64" in line]
+        assert all("%eps" in line for line in widened), (spec[0].__name__, widened)

@@ -94,6 +94,17 @@ def launch_device(args) -> torch.device | None:
     return None
 
 
+def on_device_of(tensor: torch.Tensor):
+    """A context making ``tensor``'s CUDA device current (a no-op on the CPU or when it is current).
+
+    For launches that do more than launch: Triton's autotuner times its configurations with events
+    on the current device's stream, so timing a ``cuda:1`` launch while ``cuda:0`` is current would
+    pick a configuration from the wrong device's timings.
+    """
+    device = launch_device((tensor,))
+    return contextlib.nullcontext() if device is None else torch.cuda.device(device)
+
+
 _launch_log: list | None = None
 
 

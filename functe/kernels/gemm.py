@@ -76,7 +76,7 @@ from . import _gemm_configs
 from ._act import ACTIVATIONS, act_fwd, act_fwd_ref, act_grad, act_grad_ref
 from ._common import column_sums, compute_dtype, rows_view, tl_compute_dtype, tl_dtype
 from ._fp8_cast import FP8_DTYPES, fp8_format, saturating_cast
-from ._triton import jit
+from ._triton import jit, on_device_of
 
 Tensor = torch.Tensor
 
@@ -415,24 +415,25 @@ def run_gemm(
     # Per-tile amax partials, reduced below: deterministic, no atomics. Zeros are
     # neutral for a max of absolute values (and cover tiles a config does not have).
     partials = torch.zeros(tiles if want_amax else 1, dtype=torch.float32, device=out.device)
-    kernel(
-        a, b, out,
-        out if bias is None else bias,
-        out if residual is None else residual,
-        out if pre is None else pre,
-        out if z is None else z,
-        out if g is None else g,
-        out if row_sum is None else row_sum,
-        partials,
-        partials if a_scale_inv is None else a_scale_inv,
-        partials if b_scale_inv is None else b_scale_inv,
-        partials if q_scale is None else q_scale,
-        M, N, K,
-        *_strides(a), *_strides(b), *_strides(out), *_strides(residual), *_strides(z),
-        alpha,
-        **flags,
-        **config,
-    )  # fmt: skip
+    with on_device_of(a):  # (the autotuner times configurations on the current device)
+        kernel(
+            a, b, out,
+            out if bias is None else bias,
+            out if residual is None else residual,
+            out if pre is None else pre,
+            out if z is None else z,
+            out if g is None else g,
+            out if row_sum is None else row_sum,
+            partials,
+            partials if a_scale_inv is None else a_scale_inv,
+            partials if b_scale_inv is None else b_scale_inv,
+            partials if q_scale is None else q_scale,
+            M, N, K,
+            *_strides(a), *_strides(b), *_strides(out), *_strides(residual), *_strides(z),
+            alpha,
+            **flags,
+            **config,
+        )  # fmt: skip
     return partials.amax() if want_amax else None
 
 

@@ -54,12 +54,23 @@ MAX_COLS = 65536
 
 
 @jit
-def normalize_rows(x, mask, inv_n, eps, CENTER: tl.constexpr):
+def reciprocal(count, x):
+    """``1 / count`` in ``x``'s dtype, rounded once from fp64.
+
+    Computed here, not passed in: a Python float argument is fp32 in a compiled kernel (Triton types
+    it so; the interpreter keeps the double), which left fp64 statistics fp32-accurate on a GPU.
+    """
+    return (tl.full([], 1.0, tl.float64) / count).to(x.dtype)
+
+
+@jit
+def normalize_rows(x, mask, count, eps, CENTER: tl.constexpr):
     """``(x̂, mean, r)`` of each row of the tile ``x [R, C]`` (masked lanes must hold 0).
 
-    ``inv_n`` is 1/N for means (layer, rms) or 1 for sums (l2); ``CENTER``
+    ``count`` is N for means (layer, rms) or 1 for sums (l2); ``CENTER``
     subtracts the row mean first (layer; without it ``mean`` is 0). Masked lanes of x̂ are 0.
     """
+    inv_n = reciprocal(count, x)
     if CENTER:
         mean = tl.sum(x, axis=1) * inv_n
         x = tl.where(mask, x - mean[:, None], 0.0)
@@ -78,8 +89,9 @@ def normalize_rows(x, mask, inv_n, eps, CENTER: tl.constexpr):
 
 
 @jit
-def norm_grads_rows(g, xhat, r, inv_n, CENTER: tl.constexpr):
+def norm_grads_rows(g, xhat, r, count, CENTER: tl.constexpr):
     """``dx`` of each row from ``g = dy·γ``, x̂ and r (see the module docstring)."""
+    inv_n = reciprocal(count, g)
     c = tl.sum(g * xhat, axis=1) * inv_n
     if CENTER:
         g = g - (tl.sum(g, axis=1) * inv_n)[:, None]
@@ -102,7 +114,7 @@ def norm_fwd_tile(
     pid,
     n_rows,
     n_cols,
-    inv_n,
+    count,
     eps,
     CENTER: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -125,7 +137,7 @@ def norm_fwd_tile(
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     offs = rows[:, None] * n_cols + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
-    y, mean, r = normalize_rows(x, mask, inv_n, eps, CENTER)
+    y, mean, r = normalize_rows(x, mask, count, eps, CENTER)
     if HAS_W:
         y = y * _load_gamma(W, cols, col_mask, ZERO_CENTERED, COMPUTE)[None, :]
     if HAS_B:
@@ -150,7 +162,7 @@ def _norm_fwd_kernel(
     RSTD,
     n_rows,
     n_cols,
-    inv_n,
+    count,
     eps,
     CENTER: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -162,7 +174,7 @@ def _norm_fwd_kernel(
     COMPUTE: tl.constexpr,
 ):
     y, offs, mask, rows, mean, r = norm_fwd_tile(
-        X, W, B, tl.program_id(0), n_rows, n_cols, inv_n, eps,
+        X, W, B, tl.program_id(0), n_rows, n_cols, count, eps,
         CENTER, HAS_W, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE,
     )  # fmt: skip
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
@@ -183,7 +195,7 @@ def _norm_bwd_kernel(
     DB_PARTIAL,
     n_rows,
     n_cols,
-    inv_n,
+    count,
     eps,
     tiles_per_program,
     CENTER: tl.constexpr,
@@ -217,14 +229,14 @@ def _norm_bwd_kernel(
             r = tl.load(RSTD + rows, mask=row_ok, other=0.0).to(COMPUTE)
             xhat = tl.where(mask, (x - mean[:, None]) * r[:, None], 0.0)
         else:
-            xhat, _, r = normalize_rows(x, mask, inv_n, eps, CENTER)
+            xhat, _, r = normalize_rows(x, mask, count, eps, CENTER)
         g = dy
         if HAS_W:
             g = dy * w[None, :]
             dw += tl.sum(dy * xhat, axis=0)
         if HAS_B:
             db += tl.sum(dy, axis=0)
-        dx = norm_grads_rows(g, xhat, r, inv_n, CENTER)
+        dx = norm_grads_rows(g, xhat, r, count, CENTER)
         if HAS_ACC:  # a residual's gradient added before the one rounding (TE's rmsnorm_bwd_add)
             dx += tl.load(ACC + offs, mask=mask, other=0.0).to(COMPUTE)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
@@ -259,8 +271,9 @@ def _tiling(x: Tensor, kind: str) -> tuple[int, int, int]:
     return block_r, block_n, warps
 
 
-def _inv_n(kind: str, n_cols: int) -> float:
-    return 1.0 if kind == "l2" else 1.0 / max(n_cols, 1)
+def mean_count(kind: str, n_cols: int) -> int:
+    """What a row's statistics divide by: N for means (layer, rms), 1 for a sum (l2)."""
+    return 1 if kind == "l2" else max(n_cols, 1)
 
 
 def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, zero_centered: bool):
@@ -284,7 +297,7 @@ def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, z
             rstd,
             n_rows,
             n_cols,
-            _inv_n(kind, n_cols),
+            mean_count(kind, n_cols),
             eps,
             CENTER=kind == "layer",
             HAS_W=w is not None,
@@ -340,7 +353,7 @@ def _bwd(
         dx if db_partial is None else db_partial,
         n_rows,
         n_cols,
-        _inv_n(kind, n_cols),
+        mean_count(kind, n_cols),
         eps,
         tiles_per_program,
         CENTER=kind == "layer",

@@ -40,7 +40,7 @@ from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import jit
 from .block_quantize import BLOCK as FP8_BLOCK
 from .block_quantize import fp8_block_cast_ref, fp8_block_scale, nan_max
-from .norm import _inv_n, _tiling, layer_norm_ref, norm_fwd_tile, rms_norm_ref, store_stats
+from .norm import _tiling, layer_norm_ref, mean_count, norm_fwd_tile, rms_norm_ref, store_stats
 from .nvfp4 import BLOCK as NVFP4_BLOCK
 from .nvfp4 import global_scales, nvfp4_block_scales, nvfp4_cast_ref, round_e2m1
 from .quantize import _storage, encode_fp8, fp8_constexprs, round_to_fp8, saturate
@@ -64,7 +64,7 @@ def _norm_block_cast_kernel(
     n_rows,
     n_cols,
     n_blocks,
-    inv_n,
+    count,
     eps,
     amax_eps,
     CENTER: tl.constexpr,
@@ -85,7 +85,7 @@ def _norm_block_cast_kernel(
 ):
     pid = tl.program_id(0)
     y, offs, mask, rows, mean, r = norm_fwd_tile(
-        X, W, B, pid, n_rows, n_cols, inv_n, eps, CENTER, True, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE
+        X, W, B, pid, n_rows, n_cols, count, eps, CENTER, True, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE
     )
     y = y.to(Y.dtype.element_ty)  # what the unfused norm stores, and what its block cast reads
     tl.store(Y + offs, y, mask=mask)
@@ -143,7 +143,7 @@ def _launch(x, weight, bias, amax, eps, kind, zero_centered_gamma, nvfp4, qdtype
         n_rows,
         n_cols,
         n_blocks,
-        _inv_n(kind, n_cols),
+        mean_count(kind, n_cols),
         eps,
         amax_eps,
         CENTER=kind == "layer",

@@ -33,7 +33,7 @@ import triton.language as tl
 from .._kernel import Kernel
 from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import jit
-from .norm import _inv_n, _tiling, layer_norm_ref, norm_fwd_tile, rms_norm_ref, store_stats
+from .norm import _tiling, layer_norm_ref, mean_count, norm_fwd_tile, rms_norm_ref, store_stats
 from .quantize import _storage, cast_amax_ref, encode_fp8, fp8_constexprs, round_to_fp8, saturate, tile_amax
 
 Tensor = torch.Tensor
@@ -53,7 +53,7 @@ def _norm_cast_kernel(
     AMAX,
     n_rows,
     n_cols,
-    inv_n,
+    count,
     eps,
     CENTER: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -71,7 +71,7 @@ def _norm_cast_kernel(
 ):
     pid = tl.program_id(0)
     y, offs, mask, rows, mean, r = norm_fwd_tile(
-        X, W, B, pid, n_rows, n_cols, inv_n, eps, CENTER, True, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE
+        X, W, B, pid, n_rows, n_cols, count, eps, CENTER, True, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE
     )
     if CENTER:  # LayerNorm's statistics, as the unfused LayerNorm stores them
         store_stats(MEAN, RSTD, rows, n_rows, mean, r)
@@ -133,7 +133,7 @@ def norm_cast_amax(
         partial,
         n_rows,
         n_cols,
-        _inv_n(kind, n_cols),
+        mean_count(kind, n_cols),
         eps,
         CENTER=kind == "layer",
         HAS_B=bias is not None,

@@ -494,7 +494,7 @@ def act_output_amax(x: Tensor, act: str, limit: float, alpha: float, offset: flo
     activation instead of only recomputing it, so the second pass reads ``h`` (half of a gated ``x``).
     """
     h, _, amax = _launch(
-        x, None, _ONE.to(x.device), _MODE_ACT, act, limit, alpha, offset, torch.float8_e4m3fn, x.dtype, True, False,
+        x, None, unit_scale(x.device), _MODE_ACT, act, limit, alpha, offset, torch.float8_e4m3fn, x.dtype, True, False,
         round_=True, cast=False,
     )  # fmt: skip
     return h, amax
@@ -526,7 +526,7 @@ def dact_dbias(dy: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     The high-precision backward of bias + activation (the quantizing kernel's dact mode, no cast).
     """
     g, dbias, _ = _launch(
-        x, dy, _ONE.to(x.device), _MODE_DACT, act, 0.0, 0.0, 0.0, torch.float8_e4m3fn, x.dtype, True, True,
+        x, dy, unit_scale(x.device), _MODE_DACT, act, 0.0, 0.0, 0.0, torch.float8_e4m3fn, x.dtype, True, True,
         round_=True, cast=False,
     )  # fmt: skip
     return g, dbias
@@ -536,6 +536,17 @@ def dact_dbias_ref(dy: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`dact_dbias`."""
     g = dactivation_ref(dy, x, act, 0, 0.0, 0.0, 0.0)
     return g, column_sums(g, g.dtype)
+
+
+def unit_scale(device: torch.device) -> Tensor:
+    """A scale of 1 (fp32 0-d) on ``device``, made there.
+
+    Not a CPU constant moved with ``.to(device)``: that copy from pageable host memory synchronises
+    the host with the GPU, and CUDA-graph capture refuses it.
+    """
+    if device.type == "cpu":
+        return _ONE
+    return torch.ones((), dtype=torch.float32, device=device)
 
 
 _ONE = torch.ones((), dtype=torch.float32)

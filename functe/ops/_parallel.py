@@ -157,7 +157,7 @@ def all_reduce(x: Tensor, *, group: ProcessGroup | None = None, reduce_in_backwa
     g = resolve_group("all_reduce", group)
     with _raising_together(x, g):
         check_tensor("all_reduce", "x", x)
-        check_flag("all_reduce", "reduce_in_backward", reduce_in_backward)
+        reduce_in_backward = check_flag("all_reduce", "reduce_in_backward", reduce_in_backward)
     if g.size == 1:
         return x
     return _all_reduce(x, group=g, reduce_in_backward=reduce_in_backward)

@@ -11,7 +11,7 @@ from .._errors import ArgumentError, describe
 from .._fuse import _check_fuse_recipe, fuse
 from .._tree import leaf_paths, tree_flatten, tree_unflatten
 from ..testing import assert_close
-from ._pattern import Pattern, Rule, RuleSet
+from ._pattern import Pattern, Rule, RuleSet, near_misses
 
 Tensor = torch.Tensor
 
@@ -115,7 +115,12 @@ def check(
     stats = plan.stats[rule.phase]
     if not stats.fired.get(rule.name):
         reasons = "; ".join(f"{where}: {why}" for name, where, why in stats.declined if name == rule.name)
-        raise AssertionError(f"rule {rule.name} did not fire" + (f" (declined: {reasons})" if reasons else ""))
+        if reasons:
+            raise AssertionError(f"rule {rule.name} did not fire (declined: {reasons})")
+        misses = "; ".join(near_misses(rule.pattern, plan.program))
+        raise AssertionError(
+            f"rule {rule.name} did not fire" + (f": its pattern does not match ({misses})" if misses else "")
+        )
     got = _outputs_and_grads(fused, call, args, gen)
     unfused = fuse(program, rules=RuleSet(), recipe=recipe)
     quantized = any("recipe" in eqn.params for eqn in plan.traced.eqns)

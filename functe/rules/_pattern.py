@@ -417,6 +417,74 @@ def _external_outputs(covered: Sequence[Eqn], g: _Graph) -> tuple[Var, ...]:
     return tuple(v for e in covered for v in e.outputs if v is not None and id(v) in used_outside)
 
 
+def near_misses(pattern: Pattern, oplist: OpList) -> list[str]:
+    """Why ``pattern`` matches no equation of ``oplist`` whose op is its root's: for each such
+    equation, the first place where the program's structure differs from the pattern's (an input
+    count, a ``None`` the program fills, an input made by another op). Empty when some equation
+    matches structurally (a rule that still does not fire declined, or its captures disagree)."""
+    g = _Graph(oplist)
+    roots = [e for e in oplist.eqns if _ops_match(pattern, e)]
+    if not roots:
+        present = sorted({e.name for e in oplist.eqns})
+        return [f"no {_op_names(pattern)} equation in the program (it has: {', '.join(present) or 'none'})"]
+    reasons = []
+    for root in roots:
+        reason = _structural_miss(pattern, root, g)
+        if reason is None:
+            return []
+        reasons.append(f"{_location(root)}: {reason}")
+    return reasons
+
+
+def _op_names(pattern: Pattern) -> str:
+    return " or ".join(op.name for op in pattern.op)
+
+
+def _atom_text(a: Atom) -> str:
+    return a.aval if isinstance(a, Var) else repr(a.value) if isinstance(a, Literal) else repr(a)
+
+
+def _structural_miss(pattern: Pattern, eqn: Eqn, g: _Graph) -> str | None:
+    n, name = len(pattern.inputs), eqn.name
+    if eqn.phase == "joint":
+        return f"{name} is a fused op already"
+    if len(eqn.inputs) < n or (len(eqn.inputs) != n and not pattern.variadic):
+        given = ", ".join(_atom_text(a) for a in eqn.inputs)
+        return f"the pattern gives {name} {n} inputs, the equation has {len(eqn.inputs)} ({given})"
+    orders = [pattern.inputs]
+    if pattern.commutative and n >= 2:
+        orders.append((pattern.inputs[1], pattern.inputs[0], *pattern.inputs[2:]))
+    reasons = []
+    for inputs in orders:
+        reason = _inputs_miss(inputs, eqn, g)
+        if reason is None:
+            return None
+        reasons.append(reason)
+    if len(reasons) == 2:  # (commutative: either order could be the one the user meant)
+        return f"{reasons[0]}; with its first two inputs swapped, {reasons[1]}"
+    return reasons[0]
+
+
+def _inputs_miss(inputs, eqn: Eqn, g: _Graph) -> str | None:
+    for i, (p, a) in enumerate(zip(inputs, eqn.inputs)):
+        if p is None and not is_none(a):
+            return f"input {i} of {eqn.name} is {_atom_text(a)}, the pattern wants None"
+        if not isinstance(p, Pattern):
+            continue
+        if not (isinstance(a, Var) and a in g.producers):
+            return (
+                f"input {i} of {eqn.name} is {_atom_text(a)}, not made by an equation; the pattern wants {_op_names(p)}"
+            )
+        producer, k = g.producers[a]
+        if not _ops_match(p, producer):
+            return f"input {i} of {eqn.name} is made by {producer.name}, the pattern wants {_op_names(p)}"
+        if p.out is not None and p.out != k:
+            return f"input {i} of {eqn.name} is output {k} of {producer.name}, the pattern wants output {p.out}"
+        if (reason := _structural_miss(p, producer, g)) is not None:
+            return reason
+    return None
+
+
 # ----------------------------------------------------------------------------- the driver
 
 
@@ -532,7 +600,14 @@ def _describe_outputs(eqn: Eqn) -> str:
 
 def _check_fused(rule: Rule, fused: Eqn) -> None:
     """Shape-check the fused op on meta tensors; a forward fusion must return one residual per covered op."""
-    out, res = forward_on_meta(fused.op, fused.inputs, fused.params, fused.in_tree)
+    try:
+        out, res = forward_on_meta(fused.op, fused.inputs, fused.params, fused.in_tree)
+    except TraceError as e:  # (name the rule whose rewrite made the call: the user's code is the rewrite)
+        params = ", ".join(sorted(fused.params)) or "none"
+        raise TraceError(
+            f"functe.rules: rule {rule.name}: its rewrite made a {fused.name} call (static parameters: {params}) "
+            f"that cannot run: {e}"
+        ) from e
     leaves, tree = tree_flatten(out)
     got = [None if leaf is None else (tuple(leaf.shape), leaf.dtype) for leaf in leaves]
     want = [None if v is None else (v.shape, v.dtype) for v in fused.outputs]
