@@ -55,10 +55,7 @@ class _SwitchableJIT(JITFunction):
         # FMA contraction pinned (Triton 3.9 enables it by default, warns, and 3.10 disables it): the
         # GPU bits must not change with a Triton upgrade.
         kwargs.update(COMPILE_OPTIONS)
-        device = launch_device(args)
-        if device is None:
-            return super().run(*args, **kwargs)
-        with torch.cuda.device(device):
+        with on_device_of(*args):
             return super().run(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -94,14 +91,15 @@ def launch_device(args) -> torch.device | None:
     return None
 
 
-def on_device_of(tensor: torch.Tensor):
-    """A context making ``tensor``'s CUDA device current (a no-op on the CPU or when it is current).
+def on_device_of(*args):
+    """A context making the CUDA device of the first tensor among ``args`` current (a no-op on the
+    CPU or when it is current): see :func:`launch_device`.
 
-    For launches that do more than launch: Triton's autotuner times its configurations with events
-    on the current device's stream, so timing a ``cuda:1`` launch while ``cuda:0`` is current would
-    pick a configuration from the wrong device's timings.
+    Every compiled launch runs in it, and so does a whole autotuned launch: Triton's autotuner times
+    its configurations with events on the current device's stream, so timing a ``cuda:1`` launch
+    while ``cuda:0`` is current would pick a configuration from the wrong device's timings.
     """
-    device = launch_device((tensor,))
+    device = launch_device(args)
     return contextlib.nullcontext() if device is None else torch.cuda.device(device)
 
 
