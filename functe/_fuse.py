@@ -51,7 +51,15 @@ from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_co
 from ._recipe import check_recipe
 from ._rng import RandomState
 from ._trace import trace_call, vjp_call
-from ._tree import NAMESPACE, is_pytree_dataclass, rebuild_dataclass, tree_flatten, tree_leaves, tree_unflatten
+from ._tree import (
+    NAMESPACE,
+    argument_labels,
+    is_pytree_dataclass,
+    rebuild_dataclass,
+    tree_flatten,
+    tree_leaves,
+    tree_unflatten,
+)
 from ._vjp import (
     _guard,
     _refuse_compiled_transforms,
@@ -60,6 +68,7 @@ from ._vjp import (
     cotangent_count_error,
     custom_vjp,
     higher_order_anchor,
+    positional_names,
 )
 
 Tensor = torch.Tensor
@@ -515,12 +524,16 @@ class Plan:
         ({'forward_linear_bias_add': 1}, True)
     """
 
-    def __init__(self, program: OpList, rules, recipe, name: str, sources: list[Tensor] = ()):
+    def __init__(
+        self, program: OpList, rules, recipe, name: str, sources: list[Tensor] = (), parameter_names: list[str] = ()
+    ):
         from .rules import rewrite  # functe.rules imports the ops; imported late to keep import order simple
 
         self.traced = program
         self.program = program = without_dead_code(program)
         self.name = name
+        # (how errors name the inputs, worked out only for one: see program_input_labels)
+        self.input_labels = functools.partial(program_input_labels, program, tuple(parameter_names))
         self.joint, joint_stats = rewrite(program, rules, "joint", recipe=recipe)
         self.forward, forward_stats = rewrite(self.joint, rules, "forward", recipe=recipe)
         self.backward, backward_stats = rewrite(self.joint, rules, "backward", recipe=recipe)
@@ -698,6 +711,7 @@ class _Variant:
         forward, bwd = namespace["forward"], namespace["bwd"]
         if plan._opaque_eqns:
             forward, bwd = _replaying(forward, bwd)
+        forward.input_labels = plan.input_labels  # (read by custom_vjp's gradient check)
         # The plan's literal tensors (a captured frozen weight, a seed): plain tensors no input reaches
         # (see _trace._untracked_constant), so a backward that keeps one has an exact second order.
         literals = tuple(v for v in namespace.values() if isinstance(v, Tensor))
@@ -716,6 +730,7 @@ class _Variant:
             program.out_tree,
             constant,
             literals,
+            plan.input_labels,
         )
         if not all(isinstance(a, Var) for a in program.outputs):
             self.eager = lambda *tensors: self.with_constants(eager(*tensors))
@@ -760,6 +775,20 @@ def _replaying(forward: Callable, bwd: Callable) -> tuple[Callable, Callable]:
 
 _SAVED = object()  # marks a residual leaf kept with save_for_backward
 
+RULE_HINT = " (a fusion rule's backward is wrong: functe.rules.check tests a rule)"
+
+
+def program_input_labels(program: OpList, names: tuple[str, ...]) -> list[str]:
+    """How errors name a traced program's inputs: as its caller passed them (``argument 'x'``,
+    ``argument 'params'['w']``), ``names`` being the traced function's positional parameters."""
+    spec, count = program.in_tree, len(program.inputs)
+    children = spec.children()
+    if spec.type is tuple and len(children) == 2 and children[0].type is tuple and children[1].type is dict:
+        labels = [label for i, label in enumerate(argument_labels(*children, names=names)) if i not in program.static]
+        if len(labels) == count:
+            return labels
+    return [f"input {i}" for i in range(count)]  # (a program built by hand, not traced from a call)
+
 
 def _eager_function(
     name: str,
@@ -769,6 +798,7 @@ def _eager_function(
     out_tree,
     constant_outputs: tuple[bool, ...],
     literals: tuple[Tensor, ...],
+    input_labels: Callable[[], list[str]],
 ) -> Callable:
     """The fused op for plain eager autograd (no torch.func transform, not compiling).
 
@@ -820,8 +850,7 @@ def _eager_function(
             grads_in = list(backward_op(res, cts))
             grads_in = tuple(_guard(name, grads_in, next(saved))) if n_new else tuple(grads_in)
         if unchecked[0]:
-            hint = " (a fusion rule's backward is wrong: functe.rules.check tests a rule)"
-            check_gradients(name, grads_in, ctx.in_meta, hint)
+            check_gradients(name, grads_in, ctx.in_meta, RULE_HINT, input_labels)
             unchecked[0] = False
         return grads_in
 
@@ -1023,7 +1052,14 @@ class Fused:
             sources: dict[int, Tensor] = {}
             program = trace_call(self.__wrapped__, args, kwargs, sources)
             self.trace_count += 1
-            plan = Plan(program, self.rules, self.recipe, self.__name__, list(sources.values()))
+            plan = Plan(
+                program,
+                self.rules,
+                self.recipe,
+                self.__name__,
+                list(sources.values()),
+                positional_names(self.__wrapped__),
+            )
             # (the modules fn reaches by name: a plan that took some of their parameters or buffers
             # as constants checks at each call that their names still give those tensors)
             modules = {id(v): v for v in _trace._reached(self.__wrapped__) if isinstance(v, torch.nn.Module)}

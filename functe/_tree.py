@@ -157,6 +157,26 @@ def _paths(spec: PyTreeSpec) -> list[str]:
     return ["".join(f"[{k!r}]" for k in path) or "<root>" for path in spec.paths()]
 
 
+def argument_labels(args: PyTreeSpec, kwargs: PyTreeSpec | None = None, names=()) -> list[str]:
+    """How errors name each leaf of a call: ``args`` is the spec of its positional arguments (a
+    tuple), ``kwargs`` of its keyword arguments (a dict); ``names`` the callee's parameter names, where
+    known, for the positional ones.
+
+    Example:
+        >>> args = tree_structure((1, {"w": 2, "b": 3}))
+        >>> argument_labels(args, tree_structure({"seed": 4}), names=("x",))
+        ["argument 'x'", "argument 1['b']", "argument 1['w']", "argument 'seed'"]
+    """
+    labels: list[str] = []
+    for i, child in enumerate(args.children()):
+        head = f"argument {names[i]!r}" if i < len(names) else f"argument {i}"
+        labels.extend(head + "".join(f"[{k!r}]" for k in path) for path in child.paths())
+    if kwargs is not None:
+        for key, child in zip(kwargs.entries(), kwargs.children()):
+            labels.extend(f"argument {key!r}" + "".join(f"[{k!r}]" for k in path) for path in child.paths())
+    return labels
+
+
 def leaf_paths(tree: Any) -> list[str]:
     """Printable key path of each leaf, e.g. ``['w']`` or ``[0]['scale']``."""
     return _paths(tree_structure(tree))

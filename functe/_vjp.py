@@ -70,7 +70,7 @@ from ._kernel import (
 )
 from ._pickling import global_name, named
 from ._rng import RandomState
-from ._tree import PyTreeSpec, same_structure, tree_flatten, tree_unflatten, with_contents
+from ._tree import PyTreeSpec, argument_labels, same_structure, tree_flatten, tree_unflatten, with_contents
 
 Tensor = torch.Tensor
 
@@ -611,7 +611,7 @@ def _differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list:
+def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list, fwd: Callable) -> list:
     arg_trees = call.in_tree.children()
     if not isinstance(cts, tuple) or len(cts) != len(arg_trees):
         raise cotangent_count_error(name, cts, len(arg_trees))
@@ -627,8 +627,29 @@ def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list) -> list
                 f"expected the argument's structure {tree}"
             )
         flat.extend(ct_leaves)
-    check_gradients(name, flat, in_meta)
+    check_gradients(name, flat, in_meta, labels=lambda: input_labels(fwd, call.in_tree))
     return flat
+
+
+def input_labels(fwd: Callable, in_tree: PyTreeSpec) -> list[str]:
+    """How errors name each input leaf of a call flattened as ``in_tree``: by the forward rule's
+    parameter names and the key path inside each argument, or by the labels a generated rule
+    carries as its ``input_labels`` attribute (a function giving them: a fused program's, named after
+    its caller's arguments)."""
+    given = getattr(fwd, "input_labels", None)
+    if given is not None:
+        return list(given())
+    return argument_labels(in_tree, names=positional_names(fwd))
+
+
+def positional_names(fn: Callable) -> list[str]:
+    """The names of ``fn``'s positional parameters (none where it has no signature to read)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # (a builtin or a C function: positions only)
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in positional]
 
 
 def cotangent_count_error(name: str, cts: Any, count: int, where: str = "") -> RuleError:
@@ -641,9 +662,10 @@ def cotangent_count_error(name: str, cts: Any, count: int, where: str = "") -> R
     )
 
 
-def check_gradients(name: str, grads, in_meta: list, hint: str = "") -> None:
+def check_gradients(name: str, grads, in_meta: list, hint: str = "", labels: Callable | None = None) -> None:
     """Every non-None gradient has its input's ``(shape, dtype)`` (``in_meta``; ``None`` for a
-    non-tensor input, which takes no gradient), else a :class:`functe.RuleError` (autograd would
+    non-tensor input, which takes no gradient), else a :class:`functe.RuleError` naming the input by
+    ``labels()`` (one label per input; by its position without) (autograd would
     silently sum a ``[1,N]`` gradient to ``[N]``, or cast it). While compiling, symbolic sizes are
     not compared (Dynamo could not compare one saved by the forward: a strict torch.export with a
     dynamic batch failed on it); the rank and the dtype still are."""
@@ -658,9 +680,9 @@ def check_gradients(name: str, grads, in_meta: list, hint: str = "") -> None:
             or not _same_shape(ct.shape, meta[0], compiling)
         ):
             expected = "None" if meta is None else describe_shape(meta[1], meta[0])
+            label = f"input leaf {index}" if labels is None else labels()[index]
             raise RuleError(
-                f"functe.{name}: the backward rule returned {describe(ct)} for input leaf {index}, expected "
-                f"{expected}{hint}"
+                f"functe.{name}: the backward rule returned {describe(ct)} for {label}, expected {expected}{hint}"
             )
 
 
@@ -817,7 +839,7 @@ def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
         residuals = tree_unflatten(layout.res_tree, res_leaves)
         extra = {"needs_input_grad": argument_needs(wanted, batch.call.in_tree)} if batch.needs else {}
         grads = batch.bwd(residuals, tree_unflatten(layout.out_tree, ct_leaves), **extra, **batch.call.static)
-        flat_grads = _flatten_cotangents(batch.name, batch.call, grads, batch.in_meta)
+        flat_grads = _flatten_cotangents(batch.name, batch.call, grads, batch.in_meta, batch.fwd)
         returned[:] = [k for k, i in enumerate(batch.positions) if isinstance(flat_grads[i], Tensor)]
         return tuple(flat_grads[batch.positions[k]] for k in returned)
 
@@ -920,7 +942,7 @@ def _make_function(
             needs = ctx.needs_input_grad[1:]
             extra = {"needs_input_grad": argument_needs(needs, call.in_tree)} if needs_input_grad else {}
             cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **extra, **call.static)
-            flat = _flatten_cotangents(name, call, cts, ctx.in_meta)
+            flat = _flatten_cotangents(name, call, cts, ctx.in_meta, fwd)
         if layout.guarded and torch.is_grad_enabled():
             flat = _guard(name, flat, next(saved))
         return (None, *flat)

@@ -250,13 +250,41 @@ def test_a_backward_rule_returning_a_wrong_gradient_is_caught_on_every_path(bad)
     rule = Rule("bad_backward", "backward", _LINEAR_BIAS, rewrite=lambda m: m.fuse(op, [m["x"], m["w"], m["b"]]))
     fused = functe.fuse(_program, rules=RuleSet([rule]))
     args = [a.clone().requires_grad_() for a in _ARGS]
-    msg = r"the backward (plan|rule) returned f(32|64)\[1?,?6\] .*(input 2|input leaf 2), expected f32\[6\]"
-    with pytest.raises(functe.RuleError, match=msg):
+    # (each path names the input as the program's caller passed it, not by its flat position)
+    msg = r"the backward rule returned f(32|64)\[1?,?6\] for argument 'b', expected f32\[6\]"
+    with pytest.raises(functe.RuleError, match=r"functe\.fused__program_eager: " + msg + r" \(a fusion rule's"):
         torch.autograd.grad(fused(*args).sum(), args)
-    with pytest.raises(functe.RuleError, match=msg):
+    with pytest.raises(functe.RuleError, match=r"functe\.fused__program: " + msg):
         torch.func.grad(lambda *a: fused(*a).sum(), argnums=(0, 1, 2))(*_ARGS)
-    with pytest.raises(functe.RuleError, match=msg):
+    # check names the rule, and not check itself as the remedy
+    with pytest.raises(functe.RuleError, match=r"functe\.rules\.check: rule bad_backward: .*" + msg + "$"):
         check(rule, _ARGS, fn=_program)
+
+
+def test_a_wrong_gradient_inside_a_pytree_or_keyword_argument_is_named_by_its_path():
+    # (named "input leaf 1" before: the flat position among the program's tensors)
+    op = functe.custom_vjp(
+        "bad_bias_grad",
+        lambda x, w, b: (F.linear(x, w, b), (x, w)),
+        lambda res, g: (g @ res[0][1], g.reshape(-1, 6).t() @ res[0][0], g.sum(0).double()),
+    )
+    rule = Rule("bad_bias_grad", "backward", _LINEAR_BIAS, rewrite=lambda m: m.fuse(op, [m["x"], m["w"], m["b"]]))
+    x, w, b = (a.clone().requires_grad_() for a in _ARGS)
+
+    def nested(x, params, *, scale=1.0):
+        return _program(x, params["w"], params["b"]) * scale
+
+    def keyword(x, *, w, b):
+        return _program(x, w, b)
+
+    cases = [
+        (nested, (x, {"w": w, "b": b}), {"scale": 2.0}, r"'params'\['b'\]"),
+        (keyword, (x,), {"w": w, "b": b}, "'b'"),
+    ]
+    for fn, args, kwargs, label in cases:
+        fused = functe.fuse(fn, rules=RuleSet([rule]))
+        with pytest.raises(functe.RuleError, match=r"returned f64\[6\] for argument " + label + r", expected f32\[6\]"):
+            torch.autograd.grad(fused(*args, **kwargs).sum(), (x, w, b))
 
 
 def test_a_non_float_state_leaf_through_value_and_grad_names_the_leaf():

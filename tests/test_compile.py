@@ -384,7 +384,7 @@ def test_a_compiled_backward_rule_returning_a_wrong_rank_is_refused():
     # gradient of a [4] input silently; under compile only symbolic sizes go unchecked now)
     bad = functe.custom_vjp("bad_rank", lambda x: (x * 2.0, None), lambda _, g: (g.expand(3, *g.shape),))
     x = make((4,)).requires_grad_()
-    with pytest.raises(functe.RuleError, match=r"returned f32\[3,4\] for input leaf 0, expected f32\[4\]"):
+    with pytest.raises(functe.RuleError, match=r"returned f32\[3,4\] for argument 'x', expected f32\[4\]"):
         torch.autograd.grad(bad(x).sum(), x)
     compiled = torch.compile(lambda x: bad(x).sum(), backend="aot_eager", fullgraph=True)
     with pytest.raises((functe.RuleError, torch._dynamo.exc.Unsupported)):

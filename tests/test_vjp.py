@@ -303,12 +303,16 @@ def test_backward_rule_contract_errors():
         grad(lambda x: count(x, x).sum())(torch.ones(2))
     shape = functe.custom_vjp("bad_shape", lambda x: (x.sum(), None), lambda _, g: (g,))
     with pytest.raises(
-        TypeError, match=r"functe\.bad_shape: the backward rule returned f32\[\] for input leaf 0, expected f32\[3\]"
+        TypeError, match=r"functe\.bad_shape: the backward rule returned f32\[\] for argument 'x', expected f32\[3\]"
     ):
         grad(lambda x: shape(x))(torch.ones(3))
     dtype = functe.custom_vjp("bad_dtype", lambda x: (x * 1, None), lambda _, g: (g.double(),))
-    with pytest.raises(TypeError, match=r"returned f64\[3\] for input leaf 0, expected f32\[3\]"):
+    with pytest.raises(TypeError, match=r"returned f64\[3\] for argument 'x', expected f32\[3\]"):
         grad(lambda x: dtype(x).sum())(torch.ones(3))
+    # (an input inside a pytree argument is named by its key path, not by its flat leaf number)
+    nested = functe.custom_vjp("bad_nested", _dict_scale_fwd, lambda res, g: ({"w": g, "b": g.double()}, g))
+    with pytest.raises(TypeError, match=r"returned f64\[2\] for argument 'params'\['b'\], expected f32\[2\]"):
+        grad(lambda p: nested(p, torch.ones(2)).sum())({"w": torch.ones(2), "b": torch.ones(2)})
     structure = functe.custom_vjp("bad_tree", _dict_scale_fwd, lambda res, g: ({"w": g}, g))
     with pytest.raises(TypeError, match=r"functe\.bad_tree: cotangent 0 from the backward rule has structure"):
         grad(lambda p: structure(p, torch.ones(2)).sum())({"w": torch.ones(2), "b": torch.ones(2)})

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._errors import ArgumentError, describe
-from .._fuse import _check_fuse_recipe, fuse
+from .._errors import ArgumentError, RuleError, describe
+from .._fuse import RULE_HINT, _check_fuse_recipe, fuse
 from .._tree import leaf_paths, tree_flatten, tree_unflatten
 from ..testing import assert_close
 from ._pattern import Pattern, Rule, RuleSet, near_misses
@@ -121,7 +122,8 @@ def check(
         raise AssertionError(
             f"rule {rule.name} did not fire" + (f": its pattern does not match ({misses})" if misses else "")
         )
-    got = _outputs_and_grads(fused, call, args, gen)
+    with _naming(rule):
+        got = _outputs_and_grads(fused, call, args, gen)
     unfused = fuse(program, rules=RuleSet(), recipe=recipe)
     quantized = any("recipe" in eqn.params for eqn in plan.traced.eqns)
     if quantized:  # (fp8_linear refused the float64 reference: "expected dtype f32|f16|bf16, got f64")
@@ -135,7 +137,8 @@ def check(
     # Each input frozen in turn: the fused op's needs_input_grad and prune_residuals paths (a
     # rule whose backward reads a residual its pruning dropped, or returns a wrong partial set)
     for path in got[1] if len(got[1]) > 1 else ():
-        partial = _outputs_and_grads(fused, call, args, gen, cts=got[2], frozen=path)
+        with _naming(rule):
+            partial = _outputs_and_grads(fused, call, args, gen, cts=got[2], frozen=path)
         _compare(partial, expected, rule.name, f"fused with {path} frozen vs unfused")
     if quantized:
         return
@@ -143,6 +146,17 @@ def check(
     plan64 = fused64.plan(*wide) if fn is not None else fused64.plan(**wide)
     if plan64.stats[rule.phase].fired.get(rule.name):
         _compare(_outputs_and_grads(fused64, call, wide, gen, cts=cts64), expected, rule.name, "both float64")
+
+
+@contextlib.contextmanager
+def _naming(rule: Rule):
+    """A RuleError of the fused program (a step's gradient of the wrong shape or dtype) names the
+    rule under check: it is the only rule the program was rewritten with."""
+    try:
+        yield
+    except RuleError as e:
+        # (without the hint to run check: it is running)
+        raise RuleError(f"functe.rules.check: rule {rule.name}: {str(e).removesuffix(RULE_HINT)}") from e
 
 
 def _map(tree: Any, f: Callable[[Tensor], Tensor]) -> Any:
