@@ -175,6 +175,21 @@ def _numpy_scalar_kind(value: Any) -> str | None:
     return getattr(kind, "kind", None) if getattr(value, "ndim", None) == 0 else None
 
 
+def as_int(value: Any) -> int | None:
+    """``value`` as an int if it is a Python or numpy integer (not a bool), else None.
+
+    (An integer read from a numpy array or a config is a numpy scalar, not a Python int: refusing
+    it as "expected an int" reads as a bug to its caller.)
+
+    Example:
+        >>> as_int(3), as_int(True), as_int(3.0)
+        (3, None, None)
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    return int(value) if _numpy_scalar_kind(value) in ("i", "u") else None
+
+
 def check_callable(op: str, arg: str, value: Any) -> Any:
     """``value`` if it is callable, else an :class:`ArgumentError` (raised where it is given, not at
     the first call deep inside a trace or a transform)."""

@@ -30,7 +30,7 @@ import optree
 import torch
 
 from ._backend import has_values
-from ._errors import StateError, describe
+from ._errors import StateError, as_int, describe
 from ._recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe
 from ._state import ScalingState, check_scaling_state, init_scaling_state
 from ._tree import NAMESPACE, pytree_dataclass, tree_unflatten
@@ -435,8 +435,10 @@ def share_state(state: LinearScalingState, n: int, *, recipe: DelayedScaling) ->
     if not isinstance(recipe, DelayedScaling):
         raise StateError(f"functe.share_state: only DelayedScaling keeps state, got recipe {recipe!r}")
     check_linear_state("share_state", state, recipe)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    uses = as_int(n)
+    if uses is None or uses < 1:
         raise StateError(f"functe.share_state: n must be an int >= 1, got {n!r}")
+    n = uses
     if recipe.amax_history_len < 2:
         raise StateError(
             "functe.share_state: needs amax_history_len >= 2 (the recorded amax of each use travels in the "

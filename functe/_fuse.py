@@ -44,7 +44,7 @@ import torch
 
 from . import _trace
 from ._autocast import autocast_state, without_autocast
-from ._backend import any_tangent, unaliased_outputs
+from ._backend import any_tangent, get_backend, unaliased_outputs
 from ._errors import ArgumentError, TraceError, TransformError, called_as, check_callable, describe
 from ._kernel import batched, empty_batched, formula_twins
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
@@ -945,7 +945,7 @@ class Fused:
             _refuse_compiled_transforms(f"fuse({self.__name__})")
             walked: list[Tensor] = []
             key = _constant_key((args, kwargs), walked)
-            index, order = _compiled_plan_index(self, key)
+            index, order = _compiled_plan_index(self, key, get_backend())  # (the backend: guarded)
             plan = _compiled_plan(self, index)
             # A plan that folded computations on captured tensors (`w.to(bf16)`) must see their
             # in-place updates, which no Dynamo guard does (a version counter is data): the check
@@ -1021,6 +1021,9 @@ class Fused:
                 key.append(_static_key(x))
         if torch._C._is_any_autocast_enabled():  # (a trace under autocast folds and records its dtypes)
             key.append(autocast_state())  # (the signature's)
+        # (a trace folds computations on captured tensors with the backend then in force: run under
+        # another one, the plan's constants had the first one's bits, whichever call came first)
+        key.append(get_backend())
         key = tuple(key)
         try:
             index = self._index.get(key)
@@ -1364,11 +1367,12 @@ _refresh_outside_graph = torch.compiler.disable(
 
 
 @torch._dynamo.assume_constant_result
-def _compiled_plan_index(fused: Fused, key: Any) -> tuple[int, tuple[int, ...]]:
+def _compiled_plan_index(fused: Fused, key: Any, backend: str) -> tuple[int, tuple[int, ...]]:
     """Run by Dynamo at trace time (not traced): find or build the plan.
 
     Returns the plan's index and the order of the tensors of the
-    :func:`_constant_key` walk in the plan's (optree) flattening order. Only
+    :func:`_constant_key` walk in the plan's (optree) flattening order; ``backend`` (the one in force,
+    which the lookup keys plans by) is an argument so that Dynamo guards it: a switch recompiles. Only
     ints come back into the graph; the plan itself is then read from ``fused``
     so that Dynamo has a real source to guard on.
     """

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ._errors import RecipeError
+from ._errors import RecipeError, as_int
 
 FORWARD_ROLES = ("input", "weight")
 BACKWARD_ROLES = ("grad_output",)
@@ -137,6 +137,10 @@ class DelayedScaling(_Recipe):
         # (margin >= -127: 2**margin stays a finite float32 factor, 2000 failed at the first update;
         # margin <= 30: (448 / FLT_MAX) / 2**31 rounds to 0, a scale that casts everything to 0 and
         # that the state protocol would read as a cut scale leaf, see state_from_gradient)
+        # (numpy integers stored as ints: a recipe keys plan caches and prints in errors)
+        for field in ("margin", "amax_history_len"):
+            if as_int(getattr(self, field)) is not None:
+                object.__setattr__(self, field, as_int(getattr(self, field)))
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not -127 <= self.margin <= 30:
             raise RecipeError(
                 f"functe.DelayedScaling: margin must be an int in [-127, 30] (a larger margin can round a "

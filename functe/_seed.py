@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import ArgumentError, DeviceError, dtype_error, shape_error
+from ._errors import ArgumentError, DeviceError, as_int, dtype_error, shape_error
 
 Tensor = torch.Tensor
 
@@ -23,6 +23,8 @@ def seed_tensor(seed, like: Tensor, op: str) -> Tensor:
         >>> seed_tensor(7, torch.zeros(2), "dropout")
         tensor(7)
     """
+    if as_int(seed) is not None:
+        seed = as_int(seed)  # (a numpy integer too)
     if isinstance(seed, bool) or not isinstance(seed, (int, Tensor)):
         raise ArgumentError(f"functe.{op}: argument 'seed' expected a Python int or an int64 tensor, got {seed!r}")
     if isinstance(seed, int):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import StateError, describe
+from ._errors import StateError, as_int, describe
 from ._tree import pytree_dataclass
 
 
@@ -47,8 +47,10 @@ def init_scaling_state(history_len: int = 1024, *, device: torch.device | str | 
         >>> init_scaling_state(8).amax_history.shape
         torch.Size([8])
     """
-    if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
+    length = as_int(history_len)
+    if length is None or length < 1:
         raise StateError(f"functe.init_scaling_state: history_len must be an int >= 1, got {history_len!r}")
+    history_len = length
     return ScalingState(
         scale=torch.ones((), dtype=torch.float32, device=device),
         amax_history=torch.zeros((history_len,), dtype=torch.float32, device=device),

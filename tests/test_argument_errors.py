@@ -499,6 +499,27 @@ def test_numpy_scalars_are_taken_as_the_bools_and_numbers_they_are():
         ops.layer_norm(x, g, b, eps=np.float32("nan"))
 
 
+def test_numpy_integers_are_taken_where_an_int_is_required():
+    # (refused before as "expected a positive int, got np.int64(2)": sizes read from a config or an array)
+    np = pytest.importorskip("numpy")
+    x = make((4, 8))
+    assert ops.swiglu(x, interleave=np.int64(2)).equal(ops.swiglu(x, interleave=2))
+    assert ops.reshape(x, (np.int64(2), -1)).shape == (2, 16) and ops.reshape(x, np.int32(32)).shape == (32,)
+    assert ops.dropout(x, 0.5, seed=np.int64(3)).equal(ops.dropout(x, 0.5, seed=3))
+    recipe = functe.DelayedScaling(margin=np.int8(1), amax_history_len=np.int64(4))
+    assert type(recipe.margin) is int and type(recipe.amax_history_len) is int  # (stored as ints: printed, hashed)
+    assert recipe == functe.DelayedScaling(margin=1, amax_history_len=4)
+    assert functe.init_scaling_state(np.uint8(3)).amax_history.shape == (3,)
+    state = functe.init_linear_scaling_state(recipe)
+    assert len(functe.share_state(state, np.int64(2), recipe=recipe)) == 2
+    # (still refused: floats and bools, numpy's included)
+    for bad in (np.float64(2.0), np.bool_(True), 2.0):
+        with pytest.raises(functe.ArgumentError, match=r"'interleave' expected a positive int or None"):
+            ops.swiglu(x, interleave=bad)
+    with pytest.raises(functe.RecipeError, match=r"margin must be an int"):
+        functe.DelayedScaling(margin=np.float32(1.0))
+
+
 _STATE = functe.init_scaling_state(4)
 _DS = functe.DelayedScaling(amax_history_len=4)
 

@@ -224,6 +224,23 @@ def test_mixed_parameter_dtypes_that_autocast_unifies_are_accepted():
         ops.linear(x, w, b)  # without autocast nothing is promoted
 
 
+def test_row_scales_in_the_callers_dtype_go_with_x_under_autocast():
+    # (an f16 x with f16 scales, valid without autocast, was refused under bf16 autocast, and the
+    # message gave x autocast's dtype: "expected dtype of 'x' bf16[2,8] or f32, got f16[2]")
+    x, s = make((2, 8), dtype=F16).requires_grad_(), torch.rand(2, dtype=F16).requires_grad_()
+    with _autocast():
+        y = ops.scaled_swiglu(x, s)
+    expected = ops.scaled_swiglu(x.detach().to(BF16), s.detach().to(BF16))
+    assert y.dtype == BF16 and torch.equal(y, expected)
+    dx, ds = torch.autograd.grad(y.sum(), (x, s))
+    assert dx.dtype == F16 and ds.dtype == F16
+    with (
+        _autocast(),
+        pytest.raises(functe.DTypeError, match=re.escape("'x' f16[2,8] or f32, got f64[2] (x computes in bf16")),
+    ):
+        ops.scaled_swiglu(x, s.double())
+
+
 def test_fused_under_autocast_with_captured_weights_keeps_second_order_and_no_grad_constants():
     # (a regression hunt: recording autocast's casts of captured weights as equations, tried in stop
     # 24, made the cast results intermediate residuals, refusing double backward and hessian, and

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import pkgutil
+import re
 
 import pytest
 import torch
@@ -326,6 +327,40 @@ def test_the_gemm_launch_and_its_autotuning_run_on_their_tensors_device(monkeypa
     with functe.use_backend("interpret"):
         gemm.gemm(a, torch.randn(6, 8))
     assert len(entered) == 1 and entered[0] is a
+
+
+# Kernels whose program id may stay int32: it only indexes something bounded far below 2^31
+# (a GEMM's output tile, a norm backward's <= 256 partial rows of <= 65,536 columns, a vmapped
+# dropout member's seed, a norm cast's per-program amax slot).
+_SMALL_PROGRAM_INDEX = {
+    "_gemm_kernel",
+    "_norm_bwd_kernel",
+    "_dropout_kernel",
+    "_norm_cast_kernel",
+}
+
+
+def test_kernels_index_memory_from_an_int64_program_id(recorded, tmp_path, monkeypatch):
+    # tile_ids split the program id in int32: on a row of 2^31 elements or more (a flattened 4 GiB
+    # buffer quantized block-wise, a 1-D activation) column program x block wrapped negative, passed
+    # the column mask after widening, and the kernels read and wrote ~2^31 elements before their
+    # buffers. Every use of the program id must be its widening to i64, but where it indexes
+    # something small (_SMALL_PROGRAM_INDEX).
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    one = {}
+    for spec in _specs(recorded):
+        one.setdefault(spec[0], spec)  # (one specialisation per kernel: the index types do not depend on it)
+    checked = {kernel.__name__ for kernel in one} - _SMALL_PROGRAM_INDEX
+    assert {"_act_kernel", "_mxfp8_kernel", "_fp8_block_kernel", "_nvfp4_kernel"} <= checked
+    narrow = {}
+    for kernel in one:
+        if kernel.__name__ in checked:
+            ttir = compile_for_sm90(one[kernel]).asm["ttir"]
+            for pid in re.findall(r"(%\w+) = tt\.get_program_id \w : i32", ttir):
+                uses = [line.strip() for line in ttir.splitlines() if re.search(re.escape(pid) + r"\b(?! =)", line)]
+                widened = r"%\w+ = arith\.extsi " + re.escape(pid) + " : i32 to i64"
+                narrow[kernel.__name__] = [u[:100] for u in uses if not re.match(widened, u)]
+    assert not any(narrow.values()), {k: v for k, v in narrow.items() if v}
 
 
 def test_norm_statistics_use_ieee_sqrt_and_division_on_the_gpu(recorded, tmp_path, monkeypatch):

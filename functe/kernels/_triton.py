@@ -244,8 +244,9 @@ ELEMENTWISE_BLOCK = 1024
 @jit
 def tile_ids(n_col_programs):
     """``(row program, column program)`` of a :func:`tiled_grid` launch (row-major: consecutive
-    programs share a row)."""
-    pid = tl.program_id(0)
+    programs share a row). Both are int64: a column program times its block passed 2^31 on a row of
+    2^31 elements or more (a flattened 4 GiB buffer), and int32 offsets wrapped negative."""
+    pid = tl.program_id(0).to(tl.int64)
     return pid // n_col_programs, pid % n_col_programs
 
 

@@ -13,12 +13,14 @@ import torch
 from .._errors import (
     ArgumentError,
     ShapeError,
+    as_int,
     check_number,
     check_same_device,
     check_tensor,
     describe,
     describe_shape,
     dtype_error,
+    dtype_name,
     shape_error,
 )
 from .._vjp import custom_vjp
@@ -77,10 +79,12 @@ def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: d
             raise ArgumentError(
                 f"functe.{op}: argument 'interleave' applies to gated activations only, got {interleave!r}"
             )
-        if isinstance(interleave, bool) or not isinstance(interleave, int) or interleave < 1:
+        k = as_int(interleave)
+        if k is None or k < 1:
             raise ArgumentError(
                 f"functe.{op}: argument 'interleave' expected a positive int or None, got {interleave!r}"
             )
+        interleave = k
         h = x.shape[-1] // 2
         if h % interleave:
             raise ShapeError(
@@ -95,8 +99,13 @@ def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: d
         if s.shape != x.shape[:-1]:
             expected = describe_shape(s.dtype, tuple(x.shape[:-1]))
             raise shape_error(op, "s", expected, s, "one scale per row of x: x.shape[:-1]")
+        if s.dtype == x.dtype != x_cast.dtype and s.dtype != torch.float32:
+            # (scales in x's own 16-bit dtype, valid without autocast, go with x to autocast's dtype;
+            # refused before, by a message that gave x autocast's dtype, not the caller's)
+            (s,) = autocast_inputs(s)
         if s.dtype not in (x_cast.dtype, torch.float32):
-            raise dtype_error(op, "s", f"dtype of 'x' {describe(x_cast)} or f32", s)
+            under = "" if x_cast is x else f"x computes in {dtype_name(x_cast.dtype)} under autocast"
+            raise dtype_error(op, "s", f"dtype of 'x' {describe(x)} or f32", s, under)
         check_same_device(op, {"x": x, "s": s})
     if clamp is None:
         return _activation(x_cast, s, name=name, interleave=k, limit=0.0, alpha=0.0, offset=0.0)

@@ -18,6 +18,7 @@ from .._errors import (
     FLOAT_DTYPES,
     ArgumentError,
     ShapeError,
+    as_int,
     check_flag,
     check_number,
     check_same_device,
@@ -334,12 +335,12 @@ def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
         torch.Size([3, 4])
     """
     check_tensor("reshape", "x", x)
-    if isinstance(shape, int) and not isinstance(shape, bool):
+    if as_int(shape) is not None:
         shape = (shape,)  # as torch's x.reshape(12)
-    dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
-    if dims is None or any(isinstance(d, bool) or not isinstance(d, int) or d < -1 for d in dims):
+    dims = tuple(map(as_int, shape)) if isinstance(shape, (tuple, list, torch.Size)) else None
+    if dims is None or any(d is None or d < -1 for d in dims):
         raise ArgumentError(f"functe.reshape: argument 'shape' expected a tuple of ints >= -1, got {shape!r}")
-    shape = tuple(int(d) for d in dims)
+    shape = dims
     known = math.prod([d for d in shape if d != -1])
     inferred = shape.count(-1)
     fits = (inferred == 0 and known == x.numel()) or (inferred == 1 and known != 0 and x.numel() % known == 0)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._collectives import Group, collective, meet_before_raising, resolve_group
-from .._errors import FuncteError, check_flag, check_tensor, shape_error
+from .._errors import FuncteError, as_int, check_flag, check_tensor, shape_error
 from .._vjp import custom_vjp
 
 if TYPE_CHECKING:
@@ -43,9 +43,10 @@ def _raising_together(x: object, group: Group) -> Iterator[None]:
 
 
 def _dim(op: str, x: Tensor, dim: object) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+    index = as_int(dim)
+    if index is None or not -x.dim() <= index < x.dim():
         raise shape_error(op, "x", f"a tensor with a dimension {dim!r}", x, "the dimension to gather or scatter along")
-    return dim % x.dim()
+    return index % x.dim()
 
 
 # ----------------------------------------------------------------------------- all_gather
