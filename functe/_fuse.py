@@ -61,6 +61,8 @@ from ._tree import (
     tree_unflatten,
 )
 from ._vjp import (
+    _Call,
+    _flatten_cotangents,
     _guard,
     _refuse_compiled_transforms,
     argument_needs,
@@ -68,6 +70,7 @@ from ._vjp import (
     cotangent_count_error,
     custom_vjp,
     higher_order_anchor,
+    input_labels,
     positional_names,
 )
 
@@ -111,8 +114,51 @@ def _zeros_or(ct, meta) -> Tensor:
     return _zeros(meta) if ct is None else ct
 
 
+RULE_HINT = "; functe.rules.check tests a rule"
+"""Appended to the errors of a fused op's backward rule, but where rules.check runs (see there)."""
+
+
 def _bad_cotangents(name: str, cts, count: int):
-    raise cotangent_count_error(name, cts, count, " (in a fused plan's backward; functe.rules.check tests a rule)")
+    raise cotangent_count_error(name, cts, count, f" (in a fused plan's backward{RULE_HINT})")
+
+
+class _StepCheck:
+    """The first check of one backward step's cotangents against its inputs' shapes and dtypes, as
+    custom_vjp checks an op's: run inside a plan, a wrong cotangent for an intermediate went on into
+    the step that made it (a [1,8] one broadcast back to [4,8]: right shapes, wrong values), and only
+    the program's inputs were checked. Shapes and dtypes are fixed per plan, so one call suffices."""
+
+    __slots__ = ("call", "fwd", "in_meta", "name", "outer", "pending", "program_labels", "where")
+
+    def __init__(self, e: Eqn, program: OpList, program_labels: Callable[[], list[str]]):
+        self.name, self.fwd, self.call = e.op.name, e.op.fwd, _Call(e.in_tree, {})
+        # per input of the step: its position among the program's inputs, if it is one (named too)
+        position = {v: i for i, v in enumerate(program.inputs)}
+        self.outer = [position.get(a) if isinstance(a, Var) else None for a in e.inputs]
+        self.program_labels = program_labels
+        self.in_meta = [
+            (a.shape, a.dtype) if isinstance(a, Var) else _literal_meta(a.value) for a in e.inputs
+        ]  # fmt: skip
+        self.where = f" (in a fused plan's backward{RULE_HINT if e.covers else ''})"
+        self.pending = True
+
+    def check(self, cts: tuple) -> None:
+        if torch.compiler.is_compiling():  # (no state to change in a traced backward; ranks: custom_vjp)
+            return
+        _flatten_cotangents(self.name, self.call, cts, self.in_meta, self.fwd, self.where, self.labels)
+        self.pending = False
+
+    def labels(self) -> list[str]:
+        """The step's inputs as its rule names them, and as the fused function's caller passed them."""
+        outer = self.program_labels()
+        return [
+            label if i is None else f"{label} (the fused function's {outer[i]})"
+            for label, i in zip(input_labels(self.fwd, self.call.in_tree), self.outer)
+        ]
+
+
+def _literal_meta(value: Any) -> tuple | None:
+    return (value.shape, value.dtype) if isinstance(value, Tensor) else None
 
 
 # ----------------------------------------------------------------------------- code generation
@@ -142,6 +188,7 @@ class _Emitter:
             "_distinct": _distinct,
             "_zeros_or": _zeros_or,
             "_bad_cotangents": _bad_cotangents,
+            "_StepCheck": _StepCheck,
             "_leaves": tree_leaves,
             "_unflatten": tree_unflatten,
             "_dataclass": rebuild_dataclass,
@@ -335,7 +382,9 @@ def _owners(eqn: Eqn) -> tuple[Eqn, ...]:
     return eqn.covers if eqn.phase in ("forward", "backward") else (eqn,)
 
 
-def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, dict]:
+def _generate(
+    program: OpList, forward: OpList, live: _Liveness, input_labels: Callable[[], list[str]]
+) -> tuple[str, dict]:
     """Python source of ``infer``, ``forward`` and ``backward`` for a plan, and its globals."""
     em = _Emitter()
     res_names = {e: f"r{i}" for i, e in enumerate(live.residuals)}
@@ -380,7 +429,7 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
     _pruned_residuals(em, live, res_names)
     residuals = "".join(f"{res_names[e]}, " for e in live.residuals)
     em.emit(f"return {outputs(in_function=True)}, ({residuals})")
-    _generate_backward(em, program, live, res_names)
+    _generate_backward(em, program, live, res_names, input_labels)
     # The backward rule of the fused op. Under create_graph / torch.func the backward plan runs as
     # one differentiable op; a plain first-order backward (grad mode off) and compiled code run it
     # directly. (Generated rather than a closure: Dynamo cannot rebuild a closure over an op object,
@@ -404,7 +453,9 @@ def _generate(program: OpList, forward: OpList, live: _Liveness) -> tuple[str, d
     return "\n".join(em.lines) + "\n", em.globals
 
 
-def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names: dict[Eqn, str]) -> None:
+def _generate_backward(
+    em: _Emitter, program: OpList, live: _Liveness, res_names: dict[Eqn, str], input_labels: Callable[[], list[str]]
+) -> None:
     em.lines.append("def backward(res, cts):")
     if res_names:
         em.emit(f"{''.join(f'{n}, ' for n in res_names.values())}= res")
@@ -469,6 +520,8 @@ def _generate_backward(em: _Emitter, program: OpList, live: _Liveness, res_names
             f"if (_c.__class__ is not tuple and not isinstance(_c, tuple)) or len(_c) != {count}: "
             f"_bad_cotangents({e.op.name!r}, _c, {count})"
         )
+        step_check = em.glob(_StepCheck(e, program, input_labels), "s")
+        em.emit(f"if {step_check}.pending: {step_check}.check(_c)")
         # The step consumed its outputs' cotangents (complete: a variable has one producing step):
         # drop them, so an intermediate gradient is freed here, as autograd frees a node's inputs.
         done = [grads[v] for v in e.outputs if v is not None and v in grads]
@@ -690,7 +743,7 @@ class _Variant:
         # they capture from autograd (see Plan.check_captured)
         owners = {o for e in self.liveness.live for o in _owners(e)}
         self.dead_opaque = [e for e in plan._opaque_eqns if e not in owners]
-        self.source, namespace = _generate(program, plan.forward, self.liveness)
+        self.source, namespace = _generate(program, plan.forward, self.liveness, plan.input_labels)
         filename = f"<functe.fuse {name} #{next(_plan_numbers)}>"
         linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
         # (tracebacks show the plan's lines while it lives; the entry goes with it: a function fused
@@ -775,7 +828,33 @@ def _replaying(forward: Callable, bwd: Callable) -> tuple[Callable, Callable]:
 
 _SAVED = object()  # marks a residual leaf kept with save_for_backward
 
-RULE_HINT = " (a fusion rule's backward is wrong: functe.rules.check tests a rule)"
+
+def _unhashable_error(fused: Fused, leaves: list, spec) -> TraceError:
+    """The error for a call whose static (non-tensor) leaves do not all hash: which, where, and, for an
+    object that holds tensors functe cannot see, what to do (its tensors would be captured constants)."""
+    from ._fp8_state import hides_tensors  # (the FP8 state module imports this one)
+
+    labels = argument_labels(*spec.children(), names=positional_names(fused.__wrapped__))
+    bad = []
+    for label, leaf in zip(labels, leaves):
+        if isinstance(leaf, Tensor):
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            bad.append((label, leaf))
+    shown = ", ".join(f"{label} ({type(leaf).__name__})" for label, leaf in bad[:4]) + (" ..." if len(bad) > 4 else "")
+    hidden = [label for label, leaf in bad if hides_tensors(leaf)]
+    hint = (
+        f"; {hidden[0]} holds tensors that functe cannot flatten: use dicts, lists and tuples, or register "
+        "its class with functe.pytree_dataclass"
+        if hidden
+        else ": a set as a frozenset, an array as a tensor"
+    )
+    return TraceError(
+        f"functe.fuse({fused.__name__}): non-tensor arguments are static (a plan per value) and must be "
+        f"hashable, got {shown}{hint}"
+    )
 
 
 def program_input_labels(program: OpList, names: tuple[str, ...]) -> list[str]:
@@ -850,7 +929,8 @@ def _eager_function(
             grads_in = list(backward_op(res, cts))
             grads_in = tuple(_guard(name, grads_in, next(saved))) if n_new else tuple(grads_in)
         if unchecked[0]:
-            check_gradients(name, grads_in, ctx.in_meta, RULE_HINT, input_labels)
+            # (a backstop: each step's cotangents are checked first, see _StepCheck)
+            check_gradients(name, grads_in, ctx.in_meta, " (in a fused plan's backward)", input_labels)
             unchecked[0] = False
         return grads_in
 
@@ -1034,10 +1114,7 @@ class Fused:
                     "tracing_mode='symbolic', a dynamic torch.export Dim) cannot key a plan: a fused function "
                     "is planned per concrete shape; trace it with concrete shapes, or use the unfused ops"
                 ) from None
-            static = [describe(leaf) for leaf in leaves if not isinstance(leaf, Tensor)]
-            raise TraceError(
-                f"functe.fuse({self.__name__}): non-tensor arguments are static and must be hashable, got {static}"
-            ) from None
+            raise _unhashable_error(self, leaves, spec) from None
         if index is None:
             index = self._new_plan(key, leaves, args, kwargs)
         elif self._plans[index].watches and self._plans[index].stale():
@@ -1116,6 +1193,17 @@ class Fused:
     def plan(self, *args, **kwargs) -> Plan:
         """The :class:`Plan` for these arguments (tracing ``fn`` if this signature is new)."""
         return self._plan_and_tensors(args, kwargs)[0]
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Fused:
+        # (as a method decorator: the instance was not bound, and the call failed with Python's
+        # "missing 1 required positional argument"; the instance itself, static to a trace, would not
+        # make its tensors inputs either)
+        if obj is None:
+            return self
+        raise TraceError(
+            f"functe.fuse({self.__name__}) decorates a method: fuse the bound method once an instance exists "
+            f"(functe.fuse(obj.{self.__name__})) or the module, and call that"
+        )
 
     def __deepcopy__(self, memo: dict) -> Fused:
         # A copy traces afresh: the plans' generated functions hold the original's captured tensors

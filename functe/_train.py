@@ -84,6 +84,8 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
     leaves, spec = tree_flatten(state)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     param_leaves, param_spec = tree_flatten(params)
+    # (a plain dataclass of weights was refused as "expected a floating-point tensor, got Params")
+    _refuse_hidden_tensors(params, param_leaves, "params", ArgumentError, "would take no gradient")
     trainable = _trainable_positions(param_leaves, params)
 
     aux_rest: list = []  # (the aux's non-tensor leaves and layout, which torch.func refuses to return)

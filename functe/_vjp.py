@@ -611,10 +611,15 @@ def _differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list, fwd: Callable) -> list:
+def _flatten_cotangents(
+    name: str, call: _Call, cts: Any, in_meta: list, fwd: Callable, where: str = "", labels: Callable | None = None
+) -> list:
+    """The backward rule's cotangents ``cts`` (one per positional argument) as flat leaves, checked
+    against the inputs' structure and ``in_meta``; an error names an input by ``labels()`` (default:
+    :func:`input_labels`) and ends with ``where``."""
     arg_trees = call.in_tree.children()
     if not isinstance(cts, tuple) or len(cts) != len(arg_trees):
-        raise cotangent_count_error(name, cts, len(arg_trees))
+        raise cotangent_count_error(name, cts, len(arg_trees), where)
     flat: list = []
     for index, (tree, ct) in enumerate(zip(arg_trees, cts)):
         if ct is None:
@@ -624,10 +629,10 @@ def _flatten_cotangents(name: str, call: _Call, cts: Any, in_meta: list, fwd: Ca
         if not same_structure(ct_tree, tree):
             raise RuleError(
                 f"functe.{name}: cotangent {index} from the backward rule has structure {ct_tree}, "
-                f"expected the argument's structure {tree}"
+                f"expected the argument's structure {tree}{where}"
             )
         flat.extend(ct_leaves)
-    check_gradients(name, flat, in_meta, labels=lambda: input_labels(fwd, call.in_tree))
+    check_gradients(name, flat, in_meta, where, labels or (lambda: input_labels(fwd, call.in_tree)))
     return flat
 
 
@@ -643,7 +648,10 @@ def input_labels(fwd: Callable, in_tree: PyTreeSpec) -> list[str]:
 
 
 def positional_names(fn: Callable) -> list[str]:
-    """The names of ``fn``'s positional parameters (none where it has no signature to read)."""
+    """The names of ``fn``'s positional parameters (none where it has no signature to read; a
+    module's are its ``forward``'s: its ``__call__`` takes ``*args``)."""
+    if isinstance(fn, torch.nn.Module):
+        fn = fn.forward
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # (a builtin or a C function: positions only)

@@ -250,14 +250,15 @@ def test_a_backward_rule_returning_a_wrong_gradient_is_caught_on_every_path(bad)
     rule = Rule("bad_backward", "backward", _LINEAR_BIAS, rewrite=lambda m: m.fuse(op, [m["x"], m["w"], m["b"]]))
     fused = functe.fuse(_program, rules=RuleSet([rule]))
     args = [a.clone().requires_grad_() for a in _ARGS]
-    # (each path names the input as the program's caller passed it, not by its flat position)
-    msg = r"the backward rule returned f(32|64)\[1?,?6\] for argument 'b', expected f32\[6\]"
-    with pytest.raises(functe.RuleError, match=r"functe\.fused__program_eager: " + msg + r" \(a fusion rule's"):
+    # (each path names the op and its input, and that input as the program's caller passed it)
+    msg = r"functe\.bad_backward: the backward rule returned f(32|64)\[1?,?6\] for argument 'b' "
+    msg += r"\(the fused function's argument 'b'\), expected f32\[6\] \(in a fused plan's backward"
+    with pytest.raises(functe.RuleError, match=msg + r"; functe\.rules\.check tests a rule\)$"):
         torch.autograd.grad(fused(*args).sum(), args)
-    with pytest.raises(functe.RuleError, match=r"functe\.fused__program: " + msg):
+    with pytest.raises(functe.RuleError, match=msg):
         torch.func.grad(lambda *a: fused(*a).sum(), argnums=(0, 1, 2))(*_ARGS)
     # check names the rule, and not check itself as the remedy
-    with pytest.raises(functe.RuleError, match=r"functe\.rules\.check: rule bad_backward: .*" + msg + "$"):
+    with pytest.raises(functe.RuleError, match=r"functe\.rules\.check: rule bad_backward: " + msg + r"\)$"):
         check(rule, _ARGS, fn=_program)
 
 
@@ -277,14 +278,42 @@ def test_a_wrong_gradient_inside_a_pytree_or_keyword_argument_is_named_by_its_pa
     def keyword(x, *, w, b):
         return _program(x, w, b)
 
+    class Module(torch.nn.Module):
+        def forward(self, x, params):  # (a module's __call__ takes *args: its forward names them)
+            return nested(x, params)
+
     cases = [
         (nested, (x, {"w": w, "b": b}), {"scale": 2.0}, r"'params'\['b'\]"),
         (keyword, (x,), {"w": w, "b": b}, "'b'"),
+        (Module(), (x, {"w": w, "b": b}), {}, r"'params'\['b'\]"),
     ]
     for fn, args, kwargs, label in cases:
         fused = functe.fuse(fn, rules=RuleSet([rule]))
-        with pytest.raises(functe.RuleError, match=r"returned f64\[6\] for argument " + label + r", expected f32\[6\]"):
+        named = (
+            r"returned f64\[6\] for argument 'b' \(the fused function's argument " + label + r"\), expected f32\[6\]"
+        )
+        with pytest.raises(functe.RuleError, match=named):
             torch.autograd.grad(fused(*args, **kwargs).sum(), (x, w, b))
+
+
+def test_a_wrong_gradient_for_an_intermediate_is_caught_inside_a_fused_plan():
+    # Unfused, custom_vjp refuses an f32[1,8] cotangent for an f32[4,8] input; inside a plan it went on
+    # into gelu's backward, broadcast back to [4,8]: a gradient of the right shape and wrong values.
+    op = functe.custom_vjp("row_scale", lambda h, w: (h * w, (h, w)), lambda r, g: ((g * r[1])[:1], (g * r[0]).sum(0)))
+    x, w = make((4, 8)).requires_grad_(), make((8,)).requires_grad_()
+
+    def fn(x, w):
+        return op(ops.gelu(x), w)
+
+    msg = r"functe\.row_scale: the backward rule returned f32\[1,8\] for argument 'h', expected f32\[4,8\]"
+    with pytest.raises(functe.RuleError, match=msg + "$"):
+        torch.autograd.grad(fn(x, w).sum(), (x, w))
+    for rules in (RuleSet(), None):
+        fused = functe.fuse(fn) if rules is None else functe.fuse(fn, rules=rules)
+        with pytest.raises(functe.RuleError, match=msg + r" \(in a fused plan's backward\)$"):
+            torch.autograd.grad(fused(x, w).sum(), (x, w))
+        with pytest.raises(functe.RuleError, match=msg):
+            torch.func.grad(lambda x, w, f=fused: f(x, w).sum())(x.detach(), w.detach())
 
 
 def test_a_non_float_state_leaf_through_value_and_grad_names_the_leaf():
@@ -680,3 +709,40 @@ def test_scale_functions_name_a_bad_role():
     with pytest.raises(functe.StateError, match=r"functe\.current_scale: argument 'role' expected one of"):
         functe.current_scale(torch.tensor(1.0), recipe=functe.CurrentScaling(), role="grad")
     assert functe.current_scale(torch.tensor([3.0]), recipe=functe.CurrentScaling(), role="input").shape == ()
+
+
+def _kernel_level_misuse():
+    from functe.kernels import activation as act
+    from functe.kernels import norm
+    from functe.kernels.dropout import DROPOUT
+    from functe.kernels.elementwise import ADD_BIAS
+    from functe.kernels.hadamard import RHT16
+    from functe.kernels.nvfp4 import NVFP4_CAST
+
+    x, clamp = torch.ones(3, 8), (7.0, 1.702, 1.0)
+    return [
+        (lambda: norm.LAYER_NORM(x, torch.ones(4), torch.zeros(8), 1e-5, False), r"'weight' expected f32\[8\]"),
+        (lambda: norm.RMS_NORM_BWD(torch.ones(3, 7), x, torch.ones(8), 1e-5, False), r"'dy' expected f32\[3,8\]"),
+        (lambda: ADD_BIAS(torch.zeros(3, 5), torch.ones(3)), r"'b' expected f32\[5\], got f32\[3\]"),
+        (lambda: act.ACTIVATION_SCALED(x, torch.ones(2), "relu", 0, *clamp), r"'s' expected f32\[3\], got f32\[2\]"),
+        (lambda: act.ACTIVATION(x, "swiglu", 3, *clamp), r"H divisible by interleave=3"),
+        (lambda: act.ACTIVATION(torch.ones(3, 5), "swiglu", 0, *clamp), r"got f32\[3,5\] \(gated 'swiglu'"),
+        (lambda: DROPOUT(torch.ones(3, 5), torch.tensor([1, 2, 3, 4]), 0.5), r"'seed' expected .*got i64\[4\]"),
+        (lambda: RHT16(torch.ones(2, 24), torch.tensor(1), False, torch.float32), r"'x' expected f32\[\.\.\.,16k\]"),
+        (
+            lambda: NVFP4_CAST(
+                torch.ones(3, 5), torch.tensor(6.0), torch.tensor(7), "", 0.0, 0.0, 0.0, 1, False, torch.uint8
+            ),
+            r"even number of values to pack \(got 5\)",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_kernel_level_calls_with_shapes_the_kernels_would_read_past_are_refused(case):
+    # The ops check their arguments; the Kernel objects (a documented kernel-level API, what fusion
+    # rules call) did not: their launchers read past a short weight, bias or scale, left part of a
+    # dropout unwritten, mixed rows of an RHT or packed NVFP4 codes, silently.
+    call, message = _kernel_level_misuse()[case]
+    with functe.use_backend("interpret"), pytest.raises(functe.ShapeError, match=message):
+        call()

@@ -227,3 +227,32 @@ def test_e8m0_scales_are_exact_powers_of_two_without_the_e8m0_dtype():
     want = torch.tensor([2.0 ** (i - 127) for i in range(255)] + [float("nan")], dtype=torch.float64)
     assert got.dtype == torch.float32 and got[255].isnan()
     assert torch.equal(got[:255].double(), want[:255])
+
+
+@pytest.mark.parametrize("backend", ["torch", "interpret"])
+def test_kernel_level_calls_that_the_kernel_and_twin_read_apart_are_refused(backend):
+    # An fp8 output of the other format: the kernels stored the quantized format's bits in it (read
+    # as other values), the twins converted the values. A β for RMSNorm: the norm+cast kernels
+    # added it, their twins ignored it. Both results depended on the backend.
+    from functe.kernels.block_quantize import FP8_BLOCK_CAST
+    from functe.kernels.norm_block_quantize import NORM_FP8_BLOCK_CAST, NORM_NVFP4_CAST
+    from functe.kernels.norm_quantize import NORM_CAST_AMAX
+
+    x, w, b = torch.randn(2, 32), torch.randn(32), torch.randn(32)
+    e4, e5, one = torch.float8_e4m3fn, torch.float8_e5m2, torch.tensor(1.0)
+    with functe.use_backend(backend):
+        for call in (
+            lambda: qk.CAST_AMAX(x, one, e5, e4, True),
+            lambda: qk.MXFP8_CAST(x, e5, e4),
+            lambda: FP8_BLOCK_CAST(x, "", 0.0, 0.0, 0.0, e5, e4, False, 0.0),
+        ):
+            with pytest.raises(ValueError, match="float8 output must be in the quantized format"):
+                call()
+        for call in (
+            lambda: NORM_CAST_AMAX(x, w, b, one, 1e-5, "rms", False, e4, torch.uint8, True),
+            lambda: NORM_FP8_BLOCK_CAST(x, w, b, 1e-5, "rms", False, e4, torch.float32, False, 0.0),
+            lambda: NORM_NVFP4_CAST(x, w, b, torch.tensor(3.0), 1e-5, "rms", True, torch.float32),
+        ):
+            with pytest.raises(ValueError, match=r"a rms norm takes no bias .*got f32\[32\]"):
+                call()
+        assert qk.CAST_AMAX(x, one, e4, e4, True)[0].dtype == e4  # (the matching format still works)

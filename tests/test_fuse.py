@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import threading
 import warnings
@@ -593,9 +594,33 @@ def test_dead_code_is_dropped_before_rewriting(capsys):
 
 
 def test_unhashable_static_argument_is_a_clear_error():
-    fused = functe.fuse(lambda x, s: ops.constant_scale(x, min(s)))
-    with pytest.raises(functe.TraceError, match=r"non-tensor arguments are static and must be hashable, got \['set'\]"):
-        fused(torch.ones(2), {2.0})
+    # (named by type only, every static leaf listed, hashable ones too: ['None', 'float', 'set', ...])
+    fused = functe.fuse(lambda x, p: ops.constant_scale(x, min(p["tags"][1]["k"]) * p["s"]))
+    with pytest.raises(
+        functe.TraceError,
+        match=r"must be hashable, got argument 'p'\['tags'\]\[1\]\['k'\] \(set\): a set as a frozenset",
+    ):
+        fused(torch.ones(2), {"tags": [None, {"k": {2.0}}], "s": 1.5})
+
+    @dataclasses.dataclass
+    class Params:  # (not registered: one opaque leaf, its weights would be captured constants)
+        w: torch.Tensor
+
+    with pytest.raises(functe.TraceError, match=r"argument 'p' holds tensors .* functe\.pytree_dataclass"):
+        functe.fuse(lambda x, p: x * p.w)(torch.ones(2), Params(torch.ones(2)))
+    with pytest.raises(functe.ArgumentError, match=r"params leaf .* is a Params, which functe cannot flatten"):
+        functe.value_and_grad(lambda p, s: (p.w.sum(), s))(Params(torch.ones(2)), None)
+
+
+def test_fuse_as_a_method_decorator_is_refused_clearly():
+    class Layer(torch.nn.Module):
+        @functe.fuse
+        def forward(self, x):
+            return ops.gelu(x)
+
+    assert isinstance(Layer.forward, functe.Fused)  # (the class attribute itself is still the fused function)
+    with pytest.raises(functe.TraceError, match=r"fuse\(forward\) decorates a method: fuse the bound method"):
+        Layer()(torch.ones(2))
 
 
 def test_inference_and_eager_paths_agree_with_the_op_path():

@@ -9,7 +9,8 @@ from helpers import F64, FLOATS, check_kernel, make
 import functe
 from functe.kernels import elementwise
 from functe.kernels._common import column_sums
-from functe.kernels.gemm import gemm_wgrad_dbias_ref
+from functe.kernels.gemm import GEMM, GEMM_DGRAD, gemm_wgrad_dbias_ref
+from functe.kernels.hadamard import RHT16
 from functe.kernels.quantize import dact_dbias_ref
 
 SHAPES = [(37,), (2, 13), (32, 1, 32), (0, 13), (3, 1)]
@@ -93,6 +94,27 @@ def test_inf_and_nan_propagate_identically():
     assert y[0, 1] == float("inf") and y[0, 3] == -float("inf")
     assert s[0, 1] == -float("inf") and s[0, 2].isnan()
     assert db[1] == float("inf") and db[2].isnan() and db[3] == -float("inf")
+
+
+def test_interpreted_casts_between_bf16_and_fp64_or_fp16_keep_their_values():
+    # numpy has no bf16: the interpreter converted an fp64 or fp16 value to bf16's integer storage
+    # (and back), so an fp64 GEMM stored as bf16 gave NaN and 9e-41, and a bf16 bias added to an fp64
+    # accumulator garbage; only fp32 <-> bf16 was patched. Kernel-level launchers reach these casts.
+    gen = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*s, generator=gen, dtype=F64) for s in ((5, 16), (3, 16), (5, 3)))
+    bias, accum = torch.randn(3, generator=gen).to(torch.bfloat16), torch.randn(5, 16, generator=gen).bfloat16()
+    for out_dtype in (torch.bfloat16, torch.float16):
+        with functe.use_backend("interpret"):
+            got = GEMM(x, w, None, None, 1.0, None, None, None, out_dtype)
+            seed = torch.tensor(1234)
+            rotated = RHT16.launcher(x, seed, False, out_dtype)
+        assert torch.equal(got, GEMM.twin(x, w, None, None, 1.0, None, None, None, out_dtype)), out_dtype
+        assert torch.equal(rotated, RHT16.twin(x, seed, False, out_dtype)), out_dtype
+    with functe.use_backend("interpret"):
+        with_bias = GEMM(x, w, bias, None, 1.0, "gelu", None, None, torch.bfloat16)  # (bf16 -> fp64 loaded)
+        summed = GEMM_DGRAD(dy, w, accum, 1.0, None, None, None)  # (read and stored as bf16)
+    assert torch.equal(with_bias, GEMM.twin(x, w, bias, None, 1.0, "gelu", None, None, torch.bfloat16))
+    assert torch.equal(summed, GEMM_DGRAD.twin(dy, w, accum, 1.0, None, None, None))
 
 
 def test_interpreted_bf16_stores_round_to_nearest_even_like_a_gpu():

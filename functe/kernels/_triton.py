@@ -181,11 +181,14 @@ def _make_triton_library_switchable() -> None:
 
 
 def _round_bf16_to_nearest_even() -> None:
-    """Make the interpreter's fp32 -> bf16 cast round to nearest even, as GPUs do.
+    """Make the interpreter's casts to and from bf16 what a GPU and the twins compute.
 
-    Triton's interpreter (3.6-3.9) truncates the mantissa, so an interpreted
-    kernel's bf16 outputs could be one ulp off the compiled kernel's and the
-    twins'. Only that one cast is replaced; NaN stays a quiet NaN of its sign.
+    Triton's interpreter (3.6-3.9) truncates the mantissa from fp32 to bf16, so an interpreted
+    kernel's bf16 outputs could be one ulp off the compiled kernel's and the twins': that cast
+    rounds to nearest even here (NaN stays a quiet NaN of its sign). Its other casts between bf16
+    and fp64 or fp16 converted the value to bf16's integer storage (numpy has no bf16: an fp64 GEMM
+    stored as bf16 gave NaN and 9e-41): they go through fp32, exactly from bf16, and to bf16 as
+    torch's CPU cast from fp64 rounds (twice, through fp32).
     """
     import numpy as np
     import triton.language as tl
@@ -193,8 +196,13 @@ def _round_bf16_to_nearest_even() -> None:
 
     builder = type(interpreter.interpreter_builder)
     truncating_cast = builder.cast_impl
+    wide_or_half = (tl.float64, tl.float16)
 
     def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar in wide_or_half:
+            return truncating_cast(self, truncating_cast(self, src, tl.float32), dst_type)
+        if src.dtype.scalar in wide_or_half and dst_type.scalar == tl.bfloat16:
+            src = truncating_cast(self, src, tl.float32)
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
             rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)

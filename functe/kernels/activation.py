@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .._errors import describe_shape, shape_error
 from .._kernel import Kernel, Rowwise
 from . import _act
 from ._act import ACTIVATIONS, GATED
@@ -216,8 +217,33 @@ def _out_cols(name: str, in_cols: int) -> int:
     return in_cols // 2 if is_gated(name) else in_cols
 
 
+def check_layout(name: str, x: Tensor, interleave: int) -> None:
+    """A gated activation's x has an even last dimension 2H with H divisible by ``interleave``: the
+    kernel read past x otherwise, and the twin's views reinterpreted rows (both silently)."""
+    if is_gated(name):
+        _check_halves(repr(name), x, interleave)
+
+
+def _check_halves(what: str, x: Tensor, interleave: int) -> None:
+    n = x.shape[-1] if x.dim() else 0
+    if n < 2 or n % 2 or (interleave and (n // 2) % interleave):
+        expected = describe_shape(x.dtype, (Ellipsis, "2H"))
+        layout = f"H divisible by interleave={interleave}" if interleave else "two halves"
+        raise shape_error("activation", "x", expected, x, f"gated {what}: an even last dimension 2H >= 2, {layout}")
+
+
+def _check_launch(name: str, x: Tensor, s: Tensor | None, dy: Tensor | None, interleave: int) -> None:
+    """The launch's arguments in the shapes its kernel indexes them by (it reads past them else)."""
+    check_layout(name, x, interleave)
+    if s is not None and s.shape != x.shape[:-1]:
+        raise shape_error("activation", "s", describe_shape(s.dtype, tuple(x.shape[:-1])), s, "one scale per row")
+    if dy is not None and tuple(dy.shape) != _y_shape(x, name):
+        raise shape_error("activation", "dy", describe_shape(dy.dtype, _y_shape(x, name)), dy)
+
+
 def _launch(kernel, dy, x, s, name, interleave, limit, alpha, offset):
     """Shared launcher: forward when ``dy`` is None, else backward. Returns (y or dx rows, ds or None)."""
+    _check_launch(name, x, s, dy, interleave)
     act, gated, clamped = spec(name)
     rows = as_rows(x)
     n_rows, in_cols = rows.shape
@@ -317,6 +343,8 @@ def _halves(x: Tensor, interleave: int) -> tuple[Tensor, Tensor]:
     """Views ``[..., H // k, k]`` of the activated and linear halves of ``x [..., 2H]``."""
     h = x.shape[-1] // 2
     k = interleave or h
+    if 2 * h != x.shape[-1] or h % k:  # (integer checks: the views below would reinterpret rows)
+        _check_halves("activation", x, interleave)
     blocks = x.unflatten(-1, (h // k, 2, k))
     return blocks.select(-2, 0), blocks.select(-2, 1)
 
@@ -492,6 +520,8 @@ def _lanes(x: Tensor, name: str, interleave: int) -> tuple[Tensor, Tensor | None
         return rows.unsqueeze(1), None
     h = rows.shape[1] // 2
     k = interleave or h
+    if 2 * h != rows.shape[1] or h % k:
+        check_layout(name, x, interleave)
     blocks = rows.view(-1, h // k, 2, k)
     return blocks.select(2, 0), blocks.select(2, 1)
 

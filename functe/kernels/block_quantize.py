@@ -43,6 +43,7 @@ from .quantize import (
     _storage,
     _value_ref,
     act_forward,
+    check_fp8_output,
     encode_fp8,
     round_to_fp8,
     saturate,
@@ -227,6 +228,7 @@ def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_row
     rows = rows_view(x.contiguous())
     n_rows, in_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
+    check_fp8_output(qdtype, out_dtype)
     q = torch.empty((*x.shape[:-1], n_cols), dtype=out_dtype, device=x.device)
     h = torch.empty(q.shape if keep else (0,), dtype=x.dtype, device=x.device)
     lead = x.shape[:-1] if block_rows == 1 else (triton.cdiv(n_rows, block_rows),)
@@ -377,6 +379,7 @@ def _fp8_block_rows(mat, act, limit, alpha, offset, qdtype, out_dtype, block_row
 
 
 def _fp8_block_ref(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps):
+    check_fp8_output(qdtype, out_dtype)
     n_cols = act_layout(x, act)[3]
     if n_cols % BLOCK and torch.compiler.is_dynamo_compiling():  # (a partial last block: see _PARTIAL_BLOCKS)
         return _fp8_block_ref_eager(x, act, limit, alpha, offset, qdtype, out_dtype, block_rows, pow2, eps)

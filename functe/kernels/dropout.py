@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import describe, shape_error
 from .._kernel import Kernel, Rowwise
 from . import _fast
 from ._common import compute_dtype, tl_compute_dtype
@@ -143,6 +144,10 @@ def dropout(x: Tensor, seed: Tensor, p: float) -> Tensor:
 
     ``seed`` is an int64 tensor of shape ``x.shape[:seed.dim()]`` (one seed per group).
     """
+    if seed.shape != x.shape[: seed.dim()]:  # (groups split x by seed.numel(): a rest went unwritten)
+        raise shape_error(
+            "dropout", "seed", f"an i64 tensor of shape x.shape[:{seed.dim()}]", seed, f"x is {describe(x)}"
+        )
     flat = x.contiguous()
     y = torch.empty_like(flat)
     groups = seed.numel()

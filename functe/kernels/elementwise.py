@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import describe_shape, shape_error
 from .._kernel import Kernel, Rowwise
 from ._common import as_rows, column_sums, compute_dtype, tl_compute_dtype
 from ._triton import ELEMENTWISE_BLOCK, jit, next_power_of_2, tile_ids, tiled_grid
@@ -73,6 +74,8 @@ def _add_bias_kernel(X, B, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl
 
 def add_bias(x: Tensor, b: Tensor) -> Tensor:
     """``x + b`` with ``b`` of shape ``(x.shape[-1],)``, computed in fp32."""
+    if b.shape != x.shape[-1:]:  # (the kernel indexes b by x's columns: it read past a short b)
+        raise shape_error("bias", "b", describe_shape(b.dtype, tuple(x.shape[-1:])), b)
     rows = as_rows(x)
     y = torch.empty_like(rows)
     n_rows, n_cols = rows.shape

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import describe_shape, shape_error
 from .._kernel import Kernel
 from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import jit
@@ -142,6 +143,8 @@ def rht16(x: Tensor, seed: Tensor, inverse: bool, out_dtype: torch.dtype) -> Ten
     The last dim must be a multiple of 16; computed in fp32 (fp64 for fp64 inputs), stored in
     ``out_dtype``.
     """
+    if x.dim() == 0 or x.shape[-1] % RHT_SIZE:  # (the kernel reads rows of 16: it mixed rows otherwise)
+        raise shape_error("rht16", "x", describe_shape(x.dtype, (Ellipsis, "16k")), x, "groups of 16 values")
     rows = as_rows(x) if x.numel() else x.reshape(0, RHT_SIZE)
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     n = rows.numel() // RHT_SIZE

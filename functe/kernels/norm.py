@@ -34,11 +34,13 @@ exactly the same thing.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from .._errors import ShapeError, describe
+from .._errors import ShapeError, describe, describe_shape, shape_error
 from .._kernel import Kernel, Rowwise
 from ._common import as_dtype, as_rows, compute_dtype, rows_view, shaped, tl_compute_dtype
 from ._fast import CHUNK_ELEMENTS, eager_cpu, parallel_chunks
@@ -256,6 +258,13 @@ _PARTIAL_PROGRAMS = 256
 _OPS = {"layer": "layer_norm", "rms": "rms_norm", "l2": "l2_normalize"}
 
 
+def check_norm_bias(kind: str, bias: Tensor | None) -> None:
+    """Refuse a β for RMSNorm (only LayerNorm has one) in the kernels that take ``kind``: the kernel
+    added it and the twin ignored it, so a kernel-level call's result depended on the backend."""
+    if kind != "layer" and bias is not None:
+        raise ValueError(f"a {kind} norm takes no bias (only LayerNorm has β), got {describe(bias)}")
+
+
 def _tiling(x: Tensor, kind: str) -> tuple[int, int, int]:
     """``(block_r, block_n, warps)`` for ``x``'s rows (the norm kernels and their fused casts)."""
     n_cols = x.shape[-1]
@@ -276,8 +285,20 @@ def mean_count(kind: str, n_cols: int) -> int:
     return 1 if kind == "l2" else max(n_cols, 1)
 
 
+def _check_launch(kind: str, x: Tensor, **others: Tensor | None) -> None:
+    """γ and β of shape ``(N,)``, dy and accum of x's shape: the launchers index them by x's layout,
+    so a kernel-level call with a wrong shape read past them (the twins raised torch's errors)."""
+    for arg, t in others.items():
+        if t is None:
+            continue
+        expected = x.shape[-1:] if arg in ("weight", "bias") else x.shape
+        if t.shape != expected:
+            raise shape_error(_OPS[kind], arg, describe_shape(t.dtype, tuple(expected)), t)
+
+
 def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, zero_centered: bool):
     """``y``, or for LayerNorm ``(y, mean, rstd)`` (statistics of shape ``x.shape[:-1]``, compute dtype)."""
+    _check_launch(kind, x, weight=w, bias=b)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     # Results in their own shapes (contiguous, so the kernel's row-major indexing holds): views
@@ -286,6 +307,9 @@ def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, z
     stats = kind == "layer"
     mean = torch.empty(x.shape[:-1] if stats else 0, dtype=compute_dtype(x.dtype), device=x.device)
     rstd = torch.empty_like(mean)
+    if n_cols == 0 and stats:  # (rows of nothing: the twin's statistics, 0/0 variance, not unwritten memory)
+        mean.zero_()
+        rstd.fill_(math.nan)
     if rows.numel():
         block_r, block_n, warps = _tiling(x, kind)
         _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
@@ -325,6 +349,7 @@ def _bwd(
 ):
     """``(dx, dγ or None, dβ or None)``; ``accum`` (x's shape and dtype) is added to dx; ``stats``
     (LayerNorm's ``(mean, rstd)``) replace recomputing them (``eps`` is then unused)."""
+    _check_launch(kind, x, dy=dy, weight=w, accum=accum)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     acc = compute_dtype(x.dtype)

@@ -40,7 +40,7 @@ from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import jit
 from .block_quantize import BLOCK as FP8_BLOCK
 from .block_quantize import fp8_block_cast_ref, fp8_block_scale, nan_max
-from .norm import _tiling, layer_norm_ref, mean_count, norm_fwd_tile, rms_norm_ref, store_stats
+from .norm import _tiling, check_norm_bias, layer_norm_ref, mean_count, norm_fwd_tile, rms_norm_ref, store_stats
 from .nvfp4 import BLOCK as NVFP4_BLOCK
 from .nvfp4 import global_scales, nvfp4_block_scales, nvfp4_cast_ref, round_e2m1
 from .quantize import _storage, encode_fp8, fp8_constexprs, round_to_fp8, saturate
@@ -115,6 +115,7 @@ def _norm_block_cast_kernel(
 
 def _launch(x, weight, bias, amax, eps, kind, zero_centered_gamma, nvfp4, qdtype, out_dtype, pow2, amax_eps):
     """``(y, q, block scales, mean, rstd)`` (see :func:`norm_fp8_block_cast` / :func:`norm_nvfp4_cast`)."""
+    check_norm_bias(kind, bias)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     block = NVFP4_BLOCK if nvfp4 else FP8_BLOCK
@@ -163,6 +164,7 @@ def _launch(x, weight, bias, amax, eps, kind, zero_centered_gamma, nvfp4, qdtype
 
 def _norm_ref(x, weight, bias, eps, kind, zero_centered_gamma):
     """The unfused norm's twin: ``(y, mean, rstd)`` (empty statistics for RMSNorm)."""
+    check_norm_bias(kind, bias)
     if kind == "layer":
         return layer_norm_ref(x, weight, bias, eps, zero_centered_gamma)
     empty = torch.empty((0,), dtype=compute_dtype(x.dtype), device=x.device)

@@ -33,7 +33,7 @@ import triton.language as tl
 from .._kernel import Kernel
 from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import jit
-from .norm import _tiling, layer_norm_ref, mean_count, norm_fwd_tile, rms_norm_ref, store_stats
+from .norm import _tiling, check_norm_bias, layer_norm_ref, mean_count, norm_fwd_tile, rms_norm_ref, store_stats
 from .quantize import _storage, cast_amax_ref, encode_fp8, fp8_constexprs, round_to_fp8, saturate, tile_amax
 
 Tensor = torch.Tensor
@@ -113,6 +113,7 @@ def norm_cast_amax(
     and ``rstd`` are LayerNorm's statistics (shape ``x.shape[:-1]``, as :func:`functe.kernels.norm.layer_norm`
     returns them); empty for RMSNorm.
     """
+    check_norm_bias(kind, bias)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     q = torch.empty(x.shape if write else (0,), dtype=out_dtype, device=x.device)
@@ -161,6 +162,7 @@ def norm_cast_amax_ref(
     write: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """PyTorch twin of :func:`norm_cast_amax`: the norm twin, then the cast twin."""
+    check_norm_bias(kind, bias)
     if kind == "layer":
         y, mean, rstd = layer_norm_ref(x, weight, bias, eps, zero_centered_gamma)
     else:

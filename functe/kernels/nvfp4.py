@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import shape_error
 from .._kernel import Kernel
 from . import _fast
 from ._common import rows_view
@@ -192,6 +193,13 @@ def _nvfp4_kernel(
     tl.store(S + rb[:, None] * n_blocks + cb[None, :], encode_fp8(s, 3, 7, 0.015625, 512.0), mask=smask)
 
 
+def _check_packing(x: Tensor, n_cols: int, out_dtype: torch.dtype) -> None:
+    # (two codes a byte: with an odd count the kernel wrote a row's last code into the next row's
+    # first byte, and the twin failed on an unrelated size)
+    if out_dtype == torch.uint8 and n_cols % 2:
+        raise shape_error("nvfp4_cast", "x", f"rows of an even number of values to pack (got {n_cols})", x)
+
+
 def nvfp4_cast(
     x: Tensor,
     amax: Tensor,
@@ -211,10 +219,11 @@ def nvfp4_cast(
     ``torch.uint8``: packed codes ``[..., K/2]`` (``K`` even); a float dtype: the values ``q · s``.
     """
     act_id, gated, clamped, n_cols = act_layout(x, act)
+    packed = out_dtype == torch.uint8
+    _check_packing(x, n_cols, out_dtype)
     rows = rows_view(x.contiguous())
     n_rows, in_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
-    packed = out_dtype == torch.uint8
     q = torch.empty((*x.shape[:-1], n_cols // 2 if packed else n_cols), dtype=out_dtype, device=x.device)
     lead = x.shape[:-1] if tile_rows == 1 else (triton.cdiv(n_rows, tile_rows),)
     scales = torch.empty((*lead, n_blocks), dtype=torch.float8_e4m3fn, device=x.device)
@@ -342,6 +351,7 @@ def nvfp4_cast_ref(
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`nvfp4_cast`."""
     n_cols = act_layout(x, act)[3]
+    _check_packing(x, n_cols, out_dtype)
     n_rows = math.prod(x.shape[:-1])
     ge, gd = global_scales_ref(amax)
     params = (ge, gd, act, limit, alpha, offset, tile_rows, stochastic, out_dtype)

@@ -216,9 +216,17 @@ def _quantize_kernel(
         tl.store(DB + pid_r.to(tl.int64) * n_cols + cols, col_sum, mask=col_mask)
 
 
+def check_fp8_output(qdtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """Refuse a float8 ``out_dtype`` other than ``qdtype``: a kernel stores qdtype's bits, which in
+    another float8 tensor read as other values (its twin converted the values)."""
+    if out_dtype in FP8_FORMATS and out_dtype != qdtype:
+        raise ValueError(f"a float8 output must be in the quantized format {qdtype}, got {out_dtype}")
+
+
 def fp8_constexprs(qdtype: torch.dtype, out_dtype: torch.dtype) -> dict:
     """The format constants a quantizing kernel takes (``MANT``, ``BIAS``, ``MIN_NORMAL``, ``SUB_STEPS``,
     ``MAXV``) and ``BITS``: whether ``out_dtype`` is float8 (stored as bits, see :func:`encode_fp8`)."""
+    check_fp8_output(qdtype, out_dtype)
     fmt = FP8_FORMATS[qdtype]
     return {
         "MANT": fmt.mant,
@@ -323,6 +331,7 @@ def cast_ref(v: Tensor, scale: Tensor, qdtype: torch.dtype, out_dtype: torch.dty
     (torch lets it overflow to inf). On plain CPU tensors the cast runs in row chunks that
     stay in cache (3-4x faster than whole-tensor temporaries).
     """
+    check_fp8_output(qdtype, out_dtype)
     maxv = FP8_FORMATS[qdtype].max
     scale = scale.to(torch.float32)
     if v.numel() <= _CHUNK or v.dim() == 0 or not _chunkable(v, scale):
@@ -620,6 +629,7 @@ def mxfp8_cast(x: Tensor, qdtype: torch.dtype, out_dtype: torch.dtype) -> tuple[
     """
     n_cols = x.shape[-1]
     n_blocks = triton.cdiv(n_cols, 32)
+    check_fp8_output(qdtype, out_dtype)
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     e = torch.empty((*x.shape[:-1], n_blocks), dtype=torch.uint8, device=x.device)
     if x.numel():
@@ -675,6 +685,7 @@ def e8m0_to_float(e: Tensor) -> Tensor:
 
 def mxfp8_cast_ref(x: Tensor, qdtype: torch.dtype, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`mxfp8_cast`."""
+    check_fp8_output(qdtype, out_dtype)
     maxv = FP8_FORMATS[qdtype].max
     k = x.shape[-1]
     n_blocks = -(-k // 32)

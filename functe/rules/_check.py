@@ -156,7 +156,7 @@ def _naming(rule: Rule):
         yield
     except RuleError as e:
         # (without the hint to run check: it is running)
-        raise RuleError(f"functe.rules.check: rule {rule.name}: {str(e).removesuffix(RULE_HINT)}") from e
+        raise RuleError(f"functe.rules.check: rule {rule.name}: {str(e).replace(RULE_HINT, '')}") from e
 
 
 def _map(tree: Any, f: Callable[[Tensor], Tensor]) -> Any:
