@@ -52,7 +52,16 @@ import torch
 import torch.distributed as dist
 
 from ._backend import has_values, records
-from ._errors import ArgumentError, DistributedError, DTypeError, ShapeError, check_flag, describe, dtype_name
+from ._errors import (
+    ArgumentError,
+    DistributedError,
+    DTypeError,
+    ShapeError,
+    as_int,
+    check_flag,
+    describe,
+    dtype_name,
+)
 from ._scoped import ScopedSetting
 
 Tensor = torch.Tensor
@@ -85,8 +94,10 @@ class Group:
             raise ArgumentError(
                 f"functe.Group: argument 'name' expected a c10d group name (str), got {describe(self.name)}"
             )
-        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+        size = as_int(self.size)  # (a numpy integer is stored as an int)
+        if size is None or size < 1:
             raise ArgumentError(f"functe.Group: argument 'size' expected an int >= 1, got {self.size!r}")
+        object.__setattr__(self, "size", size)
 
     def __repr__(self):
         return f"Group({self.name!r}, size={self.size})"

@@ -190,6 +190,21 @@ def as_int(value: Any) -> int | None:
     return int(value) if _numpy_scalar_kind(value) in ("i", "u") else None
 
 
+def python_scalar(value: Any) -> Any:
+    """A numpy scalar as the Python bool, int or float it holds; anything else as it is (a symbolic
+    float under torch.compile included, which a conversion would specialise).
+
+    Example:
+        >>> python_scalar(2.5), python_scalar("a")
+        (2.5, 'a')
+    """
+    if (
+        isinstance(value, (bool, int, float, str)) or value is None
+    ):  # (first: Dynamo cannot trace getattr on a SymFloat)
+        return value
+    return value.item() if _numpy_scalar_kind(value) in ("b", "i", "u", "f") else value
+
+
 def check_callable(op: str, arg: str, value: Any) -> Any:
     """``value`` if it is callable, else an :class:`ArgumentError` (raised where it is given, not at
     the first call deep inside a trace or a transform)."""

@@ -829,6 +829,15 @@ def _replaying(forward: Callable, bwd: Callable) -> tuple[Callable, Callable]:
 _SAVED = object()  # marks a residual leaf kept with save_for_backward
 
 
+def _defined_in(fn: Callable, cls: type) -> bool:
+    """Whether ``fn`` is a method of ``cls`` (or a base) written in its body: its qualified name is the
+    class's plus its own, and its first parameter is ``self``."""
+    owner, _, _ = getattr(fn, "__qualname__", "").rpartition(".")
+    if not owner or not any(getattr(c, "__qualname__", None) == owner for c in cls.__mro__):
+        return False
+    return positional_names(fn)[:1] == ["self"]
+
+
 def _unhashable_error(fused: Fused, leaves: list, spec) -> TraceError:
     """The error for a call whose static (non-tensor) leaves do not all hash: which, where, and, for an
     object that holds tensors functe cannot see, what to do (its tensors would be captured constants)."""
@@ -1195,10 +1204,11 @@ class Fused:
         return self._plan_and_tensors(args, kwargs)[0]
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Fused:
-        # (as a method decorator: the instance was not bound, and the call failed with Python's
-        # "missing 1 required positional argument"; the instance itself, static to a trace, would not
-        # make its tensors inputs either)
-        if obj is None:
+        # A fused function shared as a class attribute is itself through an instance (self.mlp(x)),
+        # as before; only a method fused in its class body is refused: the instance was not bound,
+        # and the call failed with Python's "missing 1 required positional argument" (bound, the
+        # instance would be static to the trace: its tensors captured constants, not inputs).
+        if obj is None or not _defined_in(self.__wrapped__, type(obj)):
             return self
         raise TraceError(
             f"functe.fuse({self.__name__}) decorates a method: fuse the bound method once an instance exists "

@@ -256,3 +256,10 @@ def test_kernel_level_calls_that_the_kernel_and_twin_read_apart_are_refused(back
             with pytest.raises(ValueError, match=r"a rms norm takes no bias .*got f32\[32\]"):
                 call()
         assert qk.CAST_AMAX(x, one, e4, e4, True)[0].dtype == e4  # (the matching format still works)
+
+
+def test_a_wrong_fp8_dtype_is_named_as_a_dtype():
+    from functe.kernels import gemm_fp8
+
+    with pytest.raises(functe.DTypeError, match=r"'fp8_dtype' expected f8e4m3\|f8e5m2, got bf16$"):  # (was bf16[0])
+        gemm_fp8.gemm_quantize(torch.ones(2, 4), torch.ones(3, 4), torch.tensor(1.0), torch.bfloat16)

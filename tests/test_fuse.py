@@ -622,6 +622,21 @@ def test_fuse_as_a_method_decorator_is_refused_clearly():
     with pytest.raises(functe.TraceError, match=r"fuse\(forward\) decorates a method: fuse the bound method"):
         Layer()(torch.ones(2))
 
+    # ... but a fused function shared as a class attribute is itself through an instance, as before
+    def mlp(x):
+        return ops.gelu(x) * 2.0
+
+    class Block(torch.nn.Module):
+        shared = functe.fuse(mlp)
+        scaled = functe.fuse(lambda x: x * 3.0)
+
+        def forward(self, x):
+            return self.shared(x) + self.scaled(x)
+
+    block, x = Block(), torch.randn(2, 4)
+    assert block.shared is Block.shared and hasattr(block, "scaled")
+    assert torch.equal(block(x), ops.gelu(x) * 2.0 + x * 3.0)
+
 
 def test_inference_and_eager_paths_agree_with_the_op_path():
     fused = functe.fuse(_block)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 from helpers import F64, FLOATS, check_kernel, make
 
 import functe
-from functe.kernels import elementwise
+from functe.kernels import _triton, elementwise
 from functe.kernels._common import column_sums
 from functe.kernels.gemm import GEMM, GEMM_DGRAD, gemm_wgrad_dbias_ref
 from functe.kernels.hadamard import RHT16
@@ -115,6 +116,28 @@ def test_interpreted_casts_between_bf16_and_fp64_or_fp16_keep_their_values():
         summed = GEMM_DGRAD(dy, w, accum, 1.0, None, None, None)  # (read and stored as bf16)
     assert torch.equal(with_bias, GEMM.twin(x, w, bias, None, 1.0, "gelu", None, None, torch.bfloat16))
     assert torch.equal(summed, GEMM_DGRAD.twin(dy, w, accum, 1.0, None, None, None))
+
+
+@_triton.jit
+def _convert_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs, mask=offs < n).to(Y.dtype.element_ty), mask=offs < n)
+
+
+@pytest.mark.parametrize("pair", ["bf16>f32", "bf16>f64", "bf16>f16", "f64>bf16", "f16>bf16", "f32>bf16"])
+def test_interpreted_conversions_to_and_from_bf16_equal_torchs(pair):
+    # (fp64/fp16 <-> bf16 read bf16's integer storage as a value; bf16 -> fp32 misread subnormals)
+    names = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "f64": F64}
+    src, dst = (names[n] for n in pair.split(">"))
+    values = [float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, -1e-39, 2**-130, 3.0, -1.0 / 3, 6e4, 1e-5]
+    x = torch.tensor(values, dtype=F64).to(src)
+    y = torch.empty(len(values), dtype=dst)
+    with functe.use_backend("interpret"):
+        _convert_kernel[(1,)](x, y, len(values), BLOCK=16)
+    expected = x.to(dst)
+    assert torch.equal(y.isnan(), expected.isnan()), (y, expected)
+    assert torch.equal(y.nan_to_num(), expected.nan_to_num()), (y, expected)
+    assert torch.equal(y.signbit()[1:], expected.signbit()[1:])  # (NaN's sign aside)
 
 
 def test_interpreted_bf16_stores_round_to_nearest_even_like_a_gpu():

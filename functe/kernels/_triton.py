@@ -187,8 +187,9 @@ def _round_bf16_to_nearest_even() -> None:
     kernel's bf16 outputs could be one ulp off the compiled kernel's and the twins': that cast
     rounds to nearest even here (NaN stays a quiet NaN of its sign). Its other casts between bf16
     and fp64 or fp16 converted the value to bf16's integer storage (numpy has no bf16: an fp64 GEMM
-    stored as bf16 gave NaN and 9e-41): they go through fp32, exactly from bf16, and to bf16 as
-    torch's CPU cast from fp64 rounds (twice, through fp32).
+    stored as bf16 gave NaN and 9e-41): they go through fp32, exactly from bf16 (by its bits: the
+    interpreter's own bf16 -> fp32 misread subnormals), and to bf16 as torch's CPU cast from fp64
+    rounds (twice, through fp32).
     """
     import numpy as np
     import triton.language as tl
@@ -197,10 +198,14 @@ def _round_bf16_to_nearest_even() -> None:
     builder = type(interpreter.interpreter_builder)
     truncating_cast = builder.cast_impl
     wide_or_half = (tl.float64, tl.float16)
+    from_bf16 = {tl.float32: np.float32, tl.float64: np.float64, tl.float16: np.float16}
 
     def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar in wide_or_half:
-            return truncating_cast(self, truncating_cast(self, src, tl.float32), dst_type)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar in from_bf16:
+            # (exact: bf16 is fp32's top half; the interpreter's own conversion misread subnormals)
+            bits = np.ascontiguousarray(src.data).view(np.uint16).astype(np.uint32) << np.uint32(16)
+            value = bits.view(np.float32).astype(from_bf16[dst_type.scalar])
+            return interpreter.TensorHandle(value, dst_type.scalar)
         if src.dtype.scalar in wide_or_half and dst_type.scalar == tl.bfloat16:
             src = truncating_cast(self, src, tl.float32)
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .._backend import interpreting
-from .._errors import check_same_device, check_tensor, dtype_error, dtype_name, shape_error
+from .._errors import DTypeError, check_same_device, check_tensor, describe, dtype_name, shape_error
 from .._kernel import Kernel, Rowwise
 from ._common import as_rows, rows_view
 from ._fp8_cast import FP8_DTYPES, current_scale, fp8_format, fp8_max, saturating_cast, saturating_cast_ref
@@ -48,7 +48,8 @@ def _check_scale(op: str, scale: Tensor, fp8_dtype: torch.dtype) -> None:
         raise shape_error(op, "scale", "f32[] (one per-tensor scale)", scale)
     if fp8_dtype not in FP8_DTYPES:
         names = "|".join(dtype_name(d) for d in FP8_DTYPES)
-        raise dtype_error(op, "fp8_dtype", names, torch.empty(0, dtype=fp8_dtype))
+        got = dtype_name(fp8_dtype) if isinstance(fp8_dtype, torch.dtype) else describe(fp8_dtype)
+        raise DTypeError(f"functe.{op}: argument 'fp8_dtype' expected {names}, got {got}")  # (a dtype, not bf16[0])
 
 
 # ----------------------------------------------------------------------------- phase 1 / amax only

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import ArgumentError, check_tensor
+from .._errors import ArgumentError, check_tensor, python_scalar
 from .._seed import seed_tensor
 from .._vjp import custom_vjp
 from ..kernels._common import static_float
@@ -62,6 +62,7 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
         True
     """
     check_tensor("dropout", "x", x)
+    p = python_scalar(p)  # (a numpy float too: np.float32(0.25) was refused)
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ArgumentError(f"functe.dropout: argument 'p' expected a Python number in [0, 1), got {p!r}")
     seed = seed_tensor(seed, x, "dropout")
