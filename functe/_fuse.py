@@ -136,9 +136,7 @@ class _StepCheck:
         position = {v: i for i, v in enumerate(program.inputs)}
         self.outer = [position.get(a) if isinstance(a, Var) else None for a in e.inputs]
         self.program_labels = program_labels
-        self.in_meta = [
-            (a.shape, a.dtype) if isinstance(a, Var) else _literal_meta(a.value) for a in e.inputs
-        ]  # fmt: skip
+        self.in_meta = [(a.shape, a.dtype) if isinstance(a, Var) else _literal_meta(a.value) for a in e.inputs]
         self.where = f" (in a fused plan's backward{RULE_HINT if e.covers else ''})"
         self.pending = True
 

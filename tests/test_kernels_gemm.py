@@ -200,7 +200,8 @@ def test_dgrad_with_dactivation_prologue(activation):
         assert_close(got_g, g64, msg=f"{who} g")
         # dx is the GEMM of the g it returned (rounded to bf16, as an unfused dact stores it). dx of
         # triton and twin are not compared directly: their g may differ by one bf16 rounding step
-        # (the interpreter truncates fp32 -> bf16), which cancellation in dx can magnify.
+        # (the kernel's fp32 act' and the twin's differ in the last bit), which cancellation in dx
+        # can magnify.
         expected = -2.5 * got_g.to(F64) @ w.to(F64) + (0 if acc is None else acc.to(F64))
         assert_close(got_dx, expected, msg=f"{who} dx")
 
