@@ -125,3 +125,32 @@ def test_a_fused_plan_is_per_backend_as_its_folded_constants_are(compiled):
             with functe.use_backend(backend):
                 assert torch.equal(call(x), expected[backend]), (order, backend)
         assert fused.trace_count == 2
+
+
+_BF16_CASTS_UNDER_TRITON_INTERPRET = """
+import torch, triton.language as tl, functe
+from functe.kernels import _triton, elementwise
+
+@_triton.jit
+def widen(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs, mask=offs < n).to(tl.float32), mask=offs < n)
+
+x = torch.tensor([-2.39e-39, 1e-40, 3.0]).bfloat16()
+y = torch.empty(3)
+widen[(1,)](x, y, 3, BLOCK=4)
+assert torch.equal(y, x.float()), (y, x.float())
+h = torch.randn(4096, generator=torch.Generator().manual_seed(0)).bfloat16()
+assert torch.equal(elementwise.axpby(h, None, 1.0 + 2**-12, 0.0), elementwise.axpby_ref(h, None, 1.0 + 2**-12, 0.0))
+print("ok")
+"""
+
+
+def test_bf16_casts_are_patched_when_triton_interpret_is_set_before_import():
+    # With TRITON_INTERPRET=1, Triton hands out interpreted kernels at decoration and functe's
+    # interpret backend (which applied the bf16 cast patch) was never entered: interpreted bf16
+    # outputs truncated and bf16 subnormals widened wrongly (-2.39e-39 read as -7.35e-39).
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = _BF16_CASTS_UNDER_TRITON_INTERPRET
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

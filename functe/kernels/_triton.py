@@ -180,6 +180,9 @@ def _make_triton_library_switchable() -> None:
     _library_switchable = True
 
 
+_casts_patched = False
+
+
 def _round_bf16_to_nearest_even() -> None:
     """Make the interpreter's casts to and from bf16 what a GPU and the twins compute.
 
@@ -191,6 +194,10 @@ def _round_bf16_to_nearest_even() -> None:
     interpreter's own bf16 -> fp32 misread subnormals), and to bf16 as torch's CPU cast from fp64
     rounds (twice, through fp32).
     """
+    global _casts_patched
+    if _casts_patched:
+        return
+    _casts_patched = True
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -223,8 +230,11 @@ def jit(fn):
     kernel = triton.jit(fn)
     if isinstance(kernel, JITFunction):
         kernel.__class__ = _SwitchableJIT
-    # With TRITON_INTERPRET=1 set by the user, Triton already returns an
-    # InterpretedFunction; it then runs interpreted everywhere, as asked.
+    else:
+        # With TRITON_INTERPRET=1 set by the user, Triton already returns an InterpretedFunction;
+        # it then runs interpreted everywhere, as asked, and never through the interpret backend,
+        # which patches the bf16 casts: patched here (interpreted bf16 outputs truncated before).
+        _round_bf16_to_nearest_even()
     return kernel
 
 
