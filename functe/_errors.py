@@ -198,9 +198,8 @@ def python_scalar(value: Any) -> Any:
         >>> python_scalar(2.5), python_scalar("a")
         (2.5, 'a')
     """
-    if (
-        isinstance(value, (bool, int, float, str)) or value is None
-    ):  # (first: Dynamo cannot trace getattr on a SymFloat)
+    # (Python scalars first: Dynamo cannot trace the numpy check's getattr on a symbolic float)
+    if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     return value.item() if _numpy_scalar_kind(value) in ("b", "i", "u", "f") else value
 

@@ -139,8 +139,9 @@ class DelayedScaling(_Recipe):
         # that the state protocol would read as a cut scale leaf, see state_from_gradient)
         # (numpy integers stored as ints: a recipe keys plan caches and prints in errors)
         for field in ("margin", "amax_history_len"):
-            if as_int(getattr(self, field)) is not None:
-                object.__setattr__(self, field, as_int(getattr(self, field)))
+            number = as_int(getattr(self, field))
+            if number is not None:
+                object.__setattr__(self, field, number)
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not -127 <= self.margin <= 30:
             raise RecipeError(
                 f"functe.DelayedScaling: margin must be an int in [-127, 30] (a larger margin can round a "

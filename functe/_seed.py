@@ -23,8 +23,9 @@ def seed_tensor(seed, like: Tensor, op: str) -> Tensor:
         >>> seed_tensor(7, torch.zeros(2), "dropout")
         tensor(7)
     """
-    if as_int(seed) is not None:
-        seed = as_int(seed)  # (a numpy integer too)
+    number = as_int(seed)  # (a numpy integer too)
+    if number is not None:
+        seed = number
     if isinstance(seed, bool) or not isinstance(seed, (int, Tensor)):
         raise ArgumentError(f"functe.{op}: argument 'seed' expected a Python int or an int64 tensor, got {seed!r}")
     if isinstance(seed, int):
