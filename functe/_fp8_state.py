@@ -371,7 +371,7 @@ def _check_counts(counts: list[Tensor], names: list[str]) -> None:
             f"functe.state_from_gradient: the scaling state at {', '.join(culprits)} was used more than once in one "
             "step (its cotangents were summed), or reached its op through another op. Give each quantized op its "
             "own state, or fan one state out explicitly with functe.share_state(state, n, recipe=...), "
-            "which combines the uses by max."
+            "which combines the uses by max (under vmap: stack the n shares and batch them)."
         )
 
 

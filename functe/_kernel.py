@@ -15,7 +15,8 @@ a backward rule under ``torch.func.grad``:
 * ``backward`` and ``jvp`` differentiate the *twin* with ``torch.func``, so a
   kernel used inside a backward rule has correct second derivatives;
 * ``vmap`` applies the kernel's batching rule: :class:`Rowwise` folds the
-  vmapped dimension into the kernel's leading (row) dimensions; anything else
+  vmapped dimension into the kernel's leading (row) dimensions, :class:`Members`
+  runs a variant kernel that keeps per-member reductions apart; anything else
   runs ``torch.vmap`` over the twin, which is always correct.
 
 The twin goes through the same kind of Function where a transform or autograd
@@ -74,6 +75,22 @@ class Rowwise:
         self.params = frozenset(params)
 
 
+class Members:
+    """Batching rule for kernels that reduce over rows (a norm backward's dγ and dβ).
+
+    Folding the vmapped dimension into the rows (:class:`Rowwise`) would sum every member's rows
+    into one reduction. A vmapped call runs ``members`` instead: the same kernel over a leading
+    member dimension, one launch that keeps each member's reductions apart. Row arguments are moved
+    in front (an unbatched one broadcast); a ``params`` argument (γ) is moved in front when batched
+    and passed as it is otherwise (``members`` takes ``[N]`` or ``[M, N]``). Every output is batched
+    along dimension 0.
+    """
+
+    def __init__(self, members: Kernel, params: Sequence[int] = ()):
+        self.members = members
+        self.params = frozenset(params)
+
+
 class Kernel:
     """A Triton launcher and its PyTorch twin, dispatched by device and backend.
 
@@ -83,7 +100,7 @@ class Kernel:
             custom-op schema); allocates and returns new tensors, never writes
             its inputs.
         twin: PyTorch function with the same signature and results.
-        batch: a :class:`Rowwise` rule, or ``None`` to vmap the twin.
+        batch: a :class:`Rowwise` or :class:`Members` rule, or ``None`` to vmap the twin.
         fast_path: whether the twin (or a twin it calls) has a CPU fast path
             (``functe.kernels._fast.eager_cpu``) whose bits may differ from its
             differentiable formula; recorded calls then always run it through
@@ -99,7 +116,7 @@ class Kernel:
         launcher: Callable,
         twin: Callable,
         *,
-        batch: Rowwise | None = None,
+        batch: Rowwise | Members | None = None,
         fast_path: bool = True,
         quantizes: bool = False,
     ):
@@ -240,6 +257,13 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
 
     def vmap(info, in_dims, *args):
         rule = kernel.batch
+        if isinstance(rule, Members):
+            moved = [
+                a if i in rule.params and d is None else _to_front(a, d, info.batch_size)
+                for i, (a, d) in enumerate(zip(args, in_dims))
+            ]
+            out = rule.members(*moved)
+            return out, tuple(0 for _ in out) if isinstance(out, tuple) else 0
         # (params beyond the passed arguments are defaulted, hence unbatched)
         batched_params = rule is not None and any(d is not None for i, d in enumerate(in_dims) if i in rule.params)
         if rule is None or batched_params:

@@ -233,6 +233,15 @@ def _atom(op_name: str, leaf: Any, trace: _Trace):
         return leaf._var
     if isinstance(leaf, Tensor):
         constant = _untracked_constant(leaf)
+        if constant is None and batched_levels((leaf,)):
+            # (a frozen ensemble swapped in by functional_call under vmap lands here: no gradient
+            # is involved, so the message below would point the wrong way)
+            raise TraceError(
+                f"functe.{op_name}: a tensor {describe(leaf)} captured from the enclosing scope is batched by an "
+                "enclosing torch.func.vmap, and a traced program captures only constants: pass it to the traced "
+                "function as an argument (for an ensemble of modules under vmap, fuse a function that takes the "
+                "parameters, or call the unfused module)"
+            )
         if constant is None:
             raise TraceError(
                 f"functe.{op_name}: a tensor {describe(leaf)} captured from the enclosing scope requires "

@@ -320,3 +320,98 @@ def test_layer_norm_reference_matches_torch():
     x, w, b = make((4, 9), F64), make((9,), F64), make((9,), F64)
     assert_close(ln_ref(x, w, b), torch.nn.functional.layer_norm(x, (9,), w, b, 1e-5))
     assert_close(l2_ref(x, eps=0.0), torch.nn.functional.normalize(x, dim=-1, eps=0.0))
+
+
+# ----------------------------------------------------------------------------- the norm backward's batching rule
+
+# (members M, rows of one member, N, γ per member): an empty batch, a row-less member, N = 1, and
+# 3000 rows per member (several programs each, so partial sums are indexed per member and program).
+_MEMBER_CASES = [(3, (5,), 13, False), (2, (), 37, True), (0, (4,), 13, False), (2, (2, 3), 1, True)]
+
+
+def _members_args(kind, add, m, rows, n, per_member, dtype):
+    x, dy = make((m, *rows, n), dtype), make((m, *rows, n), dtype)
+    w = make((m, n) if per_member else (n,), dtype)
+    extra = (make(x.shape, dtype),) if add else ()
+    if kind == "rms":
+        return (dy, x, w, *extra, 1e-5, True)
+    _, mean, rstd = nk.LAYER_NORM.twin(x, torch.ones(n, dtype=dtype), torch.zeros(n, dtype=dtype), 1e-5, False)
+    return (dy, x, mean, rstd, w, *extra, False)
+
+
+def _members_reference(kind, add):
+    """Each member alone, by float64 autograd of the forward formula."""
+
+    def reference(dy, x, *rest):
+        at = 2 if kind == "layer" else 0  # (the statistics come first for LayerNorm)
+        w, accum, zc = rest[at], (rest[at + 1] if add else None), rest[-1]
+        outs = []
+        for i in range(x.shape[0]):
+            xi, wi = x[i].clone().requires_grad_(), (w if w.dim() == 1 else w[i]).clone().requires_grad_()
+            bi = torch.zeros(x.shape[-1], dtype=F64, requires_grad=True)
+            y = ln_ref(xi, wi, bi, 1e-5, zc) if kind == "layer" else rms_ref(xi, wi, 1e-5, zc)
+            grads = torch.autograd.grad(y, (xi, wi, bi) if kind == "layer" else (xi, wi), dy[i], allow_unused=True)
+            outs.append((grads[0] + (0 if accum is None else accum[i]), *grads[1:]))
+        if not outs:
+            n = x.shape[-1]
+            return (x.clone(), *(torch.zeros(0, n, dtype=F64) for _ in range(2 if kind == "layer" else 1)))
+        return tuple(torch.stack(parts) for parts in zip(*outs))
+
+    return reference
+
+
+def _plain_kernel(kind, add):
+    return {
+        ("layer", False): nk.LAYER_NORM_BWD,
+        ("layer", True): nk.LAYER_NORM_BWD_ADD,
+        ("rms", False): nk.RMS_NORM_BWD,
+        ("rms", True): nk.RMS_NORM_BWD_ADD,
+    }[kind, add]
+
+
+def _per_member(kernel, kind, args):
+    """``kernel``'s launcher on each member alone, stacked (the rows of member i, γ's row i)."""
+    tensors = {0, 1, 2, 3, 4, 5} if kind == "layer" else {0, 1, 2, 3}
+    weight = 4 if kind == "layer" else 2
+    outs = []
+    for i in range(args[1].shape[0]):
+        member = [
+            a if j not in tensors or not isinstance(a, torch.Tensor) or (j == weight and a.dim() == 1) else a[i]
+            for j, a in enumerate(args)
+        ]
+        outs.append(kernel.launcher(*member))
+    return tuple(torch.stack(parts) for parts in zip(*outs))
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, F64])
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_norm_backward_members_kernels_reduce_each_member_alone(kind, add, dtype):
+    plain = _plain_kernel(kind, add)
+    members = plain.batch.members
+    for m, rows, n, per_member in _MEMBER_CASES:
+        args = _members_args(kind, add, m, rows, n, per_member, dtype)
+        got = check_kernel(members, args, _members_reference(kind, add))
+        assert got[1].shape == (m, n), (members.name, got[1].shape)
+        if m:  # the launcher's promise: each member's bits as a launch on that member alone
+            with functe.use_backend("interpret"):
+                alone = _per_member(plain, kind, args)
+            for i, (a, b) in enumerate(zip(got, alone)):
+                assert torch.equal(a, b), (members.name, dtype, m, rows, n, i)
+
+
+def test_norm_backward_members_kernel_indexes_partial_sums_per_member_and_program():
+    # 3000 rows per member: six programs each write a partial dγ; one launch for both members
+    args = _members_args("layer", False, 2, (3000,), 5, True, torch.bfloat16)
+    with functe.use_backend("interpret"):
+        got = nk.LAYER_NORM_BWD_MEMBERS.launcher(*args)
+        alone = _per_member(nk.LAYER_NORM_BWD, "layer", args)
+    for a, b in zip(got, alone):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[1][0], got[1][1])
+
+
+def test_norm_backward_members_kernel_rejects_a_weight_of_the_wrong_member_count():
+    dy = x = torch.ones(3, 4, 8)
+    with functe.use_backend("interpret"), pytest.raises(functe.ShapeError, match=r"'weight' expected f32\[3,8\]"):
+        nk.RMS_NORM_BWD_MEMBERS(dy, x, torch.ones(2, 8), 1e-5, False)

@@ -16,6 +16,7 @@ from helpers import F64, FLOATS, check_transforms, gradchecks, make
 
 import functe
 from functe import ops
+from functe.kernels import _triton
 from functe.kernels import norm as norm_kernels
 
 SHAPES = [(37,), (2, 13), (32, 1, 32), (0, 13)]
@@ -130,6 +131,59 @@ def test_per_example_weight_gradients_under_vmap(backend):
     for got, exp in zip(per_example, expected):
         assert got.shape == (4, 6)
         check(got, exp, "per-example grads")
+
+
+def _loss_and_params(name):
+    if name == "layer_norm":
+        return (lambda w, b, x, t: (ops.layer_norm(x, w, b) * t).sum()), (0, 1, 2)
+    if name == "rms_norm":
+        return (lambda w, x, t: (ops.rms_norm(x, w, zero_centered_gamma=True) * t).sum()), (0, 1)
+
+    @functe.fuse
+    def residual_norm(x, w, b):  # fused to backward_add_norm: dx = d_skip + norm'(dy), one kernel
+        y, skip = ops.make_extra_output(x)
+        return ops.layer_norm(y, w, b), skip
+
+    def loss(w, b, x, t):
+        y, skip = residual_norm(x, w, b)
+        return ((y + 2 * skip) * t).sum()
+
+    return loss, (0, 1, 2)
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "residual_layer_norm"])
+def test_per_example_gradients_launch_one_backward_kernel_with_each_members_bits(name):
+    # vmap(grad) used to run the backward's twin under torch.vmap (torch ops, even on a GPU): the
+    # batching rule now launches the members kernel once, each member's dγ/dβ its own reduction.
+    loss, argnums = _loss_and_params(name)
+    params = [make((13,), torch.float32) for _ in argnums[:-1]]
+    x, t = make((3, 5, 13), torch.float32), make((3, 5, 13), torch.float32)
+    grad = torch.func.grad(loss, argnums=argnums)
+    with functe.use_backend("interpret"), _triton.record_launches() as log:
+        per_example = torch.vmap(grad, in_dims=(*[None] * len(params), 0, 0))(*params, x, t)
+    backward = [launch for launch in log if launch[0] is norm_kernels._norm_bwd_kernel]
+    assert len(backward) == 1, [launch[0].__name__ for launch in log]
+    ((_, args, _, grid),) = backward
+    assert grid[0] // args[14] == 3 and args[9] == 5  # (programs / programs_per_member members of 5 rows)
+    with functe.use_backend("interpret"):
+        alone = [grad(*params, x[i], t[i]) for i in range(3)]
+    for got, parts in zip(per_example, zip(*alone)):
+        assert torch.equal(got, torch.stack(parts))
+
+
+def test_second_derivatives_through_the_members_kernel(backend):
+    # grad of a function of per-example γ-gradients (a per-example gradient penalty) differentiates
+    # the members kernel through its twin
+    x, w, b = make((3, 4, 6), F64), make((6,), F64), make((6,), F64)
+
+    def penalty(fn):
+        per_example = torch.vmap(torch.func.grad(lambda w, b, x: (fn(x, w, b) ** 3).sum()), in_dims=(None, None, 0))
+        return lambda w, b, x: (per_example(w, b, x) ** 2).sum()
+
+    got = torch.func.grad(penalty(ops.layer_norm), argnums=(0, 1, 2))(w, b, x)
+    expected = torch.func.grad(penalty(ln_ref), argnums=(0, 1, 2))(w, b, x)
+    for g, e in zip(got, expected):
+        check(g, e, "second derivative")
 
 
 def test_weight_grads_are_deterministic_fp32_partial_sums():

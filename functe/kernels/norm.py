@@ -41,10 +41,10 @@ import triton
 import triton.language as tl
 
 from .._errors import ShapeError, describe, describe_shape, shape_error
-from .._kernel import Kernel, Rowwise
+from .._kernel import Kernel, Members, Rowwise
 from ._common import as_dtype, as_rows, compute_dtype, rows_view, shaped, tl_compute_dtype
 from ._fast import CHUNK_ELEMENTS, eager_cpu, parallel_chunks
-from ._triton import jit, next_power_of_2
+from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
 
 Tensor = torch.Tensor
 
@@ -195,11 +195,13 @@ def _norm_bwd_kernel(
     DX,
     DW_PARTIAL,
     DB_PARTIAL,
-    n_rows,
+    rows_per_member,
     n_cols,
     count,
     eps,
     tiles_per_program,
+    programs_per_member,
+    w_member_stride,
     CENTER: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -210,23 +212,26 @@ def _norm_bwd_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
-    # Program p handles the contiguous row tiles [p*T, (p+1)*T) and writes one
-    # row of dγ/dβ partial sums; the launcher reduces them.
-    pid = tl.program_id(0)
+    # Program (m, p) handles member m's contiguous row tiles [p*T, (p+1)*T) and writes one row of
+    # dγ/dβ partial sums; the launcher reduces them per member. An unbatched call is one member;
+    # a vmapped one (the batching rule) stacks the members' rows, so their sums stay apart.
+    member, pid = tile_ids(programs_per_member)
+    first_row = member * rows_per_member
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     if HAS_W:
-        w = _load_gamma(W, cols, col_mask, ZERO_CENTERED, COMPUTE)
+        w = _load_gamma(W + member * w_member_stride, cols, col_mask, ZERO_CENTERED, COMPUTE)
     dw = tl.zeros((BLOCK_N,), dtype=COMPUTE)
     db = tl.zeros((BLOCK_N,), dtype=COMPUTE)
     for t in range(0, tiles_per_program):
-        rows = (pid.to(tl.int64) * tiles_per_program + t) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        local = (pid * tiles_per_program + t) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = local < rows_per_member
+        rows = first_row + local
+        mask = row_ok[:, None] & col_mask[None, :]
         offs = rows[:, None] * n_cols + cols[None, :]
         x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(COMPUTE)
         if HAS_STATS:  # LayerNorm: the forward's statistics (no reductions to redo)
-            row_ok = rows < n_rows
             mean = tl.load(MEAN + rows, mask=row_ok, other=0.0).to(COMPUTE)
             r = tl.load(RSTD + rows, mask=row_ok, other=0.0).to(COMPUTE)
             xhat = tl.where(mask, (x - mean[:, None]) * r[:, None], 0.0)
@@ -242,10 +247,11 @@ def _norm_bwd_kernel(
         if HAS_ACC:  # a residual's gradient added before the one rounding (TE's rmsnorm_bwd_add)
             dx += tl.load(ACC + offs, mask=mask, other=0.0).to(COMPUTE)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    partial = (member * programs_per_member + pid) * n_cols
     if HAS_W:
-        tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
+        tl.store(DW_PARTIAL + partial + cols, dw, mask=col_mask)
     if HAS_B:
-        tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=col_mask)
+        tl.store(DB_PARTIAL + partial + cols, db, mask=col_mask)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -265,10 +271,11 @@ def check_norm_bias(kind: str, bias: Tensor | None) -> None:
         raise ValueError(f"a {kind} norm takes no bias (only LayerNorm has β), got {describe(bias)}")
 
 
-def _tiling(x: Tensor, kind: str) -> tuple[int, int, int]:
-    """``(block_r, block_n, warps)`` for ``x``'s rows (the norm kernels and their fused casts)."""
+def _tiling(x: Tensor, kind: str, members: int = 1) -> tuple[int, int, int]:
+    """``(block_r, block_n, warps)`` for ``x``'s rows (the norm kernels and their fused casts); with
+    ``members``, for one member's rows (a vmapped backward: each member tiled as its own call)."""
     n_cols = x.shape[-1]
-    n_rows = x.numel() // max(n_cols, 1)
+    n_rows = x.numel() // max(n_cols, 1) // max(members, 1)
     if n_cols > MAX_COLS:
         raise ShapeError(
             f"functe.{_OPS[kind]}: argument 'x' expected rows of at most {MAX_COLS} elements on the Triton "
@@ -285,13 +292,16 @@ def mean_count(kind: str, n_cols: int) -> int:
     return 1 if kind == "l2" else max(n_cols, 1)
 
 
-def _check_launch(kind: str, x: Tensor, **others: Tensor | None) -> None:
-    """γ and β of shape ``(N,)``, dy and accum of x's shape: the launchers index them by x's layout,
-    so a kernel-level call with a wrong shape read past them (the twins raised torch's errors)."""
+def _check_launch(kind: str, x: Tensor, members: int | None = None, **others: Tensor | None) -> None:
+    """γ and β of shape ``(N,)`` (or ``(M, N)``, one per member of a vmapped call), dy and accum of
+    x's shape: the launchers index them by x's layout, so a kernel-level call with a wrong shape read
+    past them (the twins raised torch's errors)."""
     for arg, t in others.items():
         if t is None:
             continue
-        expected = x.shape[-1:] if arg in ("weight", "bias") else x.shape
+        expected = x.shape if arg not in ("weight", "bias") else x.shape[-1:]
+        if members is not None and arg == "weight" and t.dim() == 2:
+            expected = (members, x.shape[-1])
         if t.shape != expected:
             raise shape_error(_OPS[kind], arg, describe_shape(t.dtype, tuple(expected)), t)
 
@@ -346,27 +356,38 @@ def _bwd(
     has_b: bool,
     accum: Tensor | None = None,
     stats: tuple[Tensor, Tensor] | None = None,
+    members: bool = False,
 ):
     """``(dx, dγ or None, dβ or None)``; ``accum`` (x's shape and dtype) is added to dx; ``stats``
-    (LayerNorm's ``(mean, rstd)``) replace recomputing them (``eps`` is then unused)."""
-    _check_launch(kind, x, dy=dy, weight=w, accum=accum)
+    (LayerNorm's ``(mean, rstd)``) replace recomputing them (``eps`` is then unused).
+
+    ``members``: x's dimension 0 stacks independent members (a vmapped call, see
+    :func:`layer_norm_bwd_members`): dγ and dβ are ``[M, N]``, one reduction per member, tiled and
+    partitioned exactly as a call on that member alone; γ is ``[N]`` or ``[M, N]``.
+    """
+    count_members = x.shape[0] if members else None
+    _check_launch(kind, x, count_members, dy=dy, weight=w, accum=accum)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
+    m = count_members if members else 1
+    reduced = (m, n_cols) if members else (n_cols,)
     acc = compute_dtype(x.dtype)
     dx = torch.empty_like(rows)
     if n_rows == 0 or n_cols == 0:
         if accum is not None:
             dx = accum.reshape(rows.shape).clone()
-        zeros = torch.zeros(n_cols, dtype=x.dtype, device=x.device)
-        return dx.view(x.shape), (zeros if w is not None else None), (zeros.clone() if has_b else None)
-    block_r, block_n, warps = _tiling(x, kind)
-    n_tiles = triton.cdiv(n_rows, block_r)
+        dw = torch.zeros(reduced, dtype=w.dtype, device=x.device) if w is not None else None
+        db = torch.zeros(reduced, dtype=x.dtype, device=x.device) if has_b else None
+        return dx.view(x.shape), dw, db
+    rows_per_member = n_rows // m
+    block_r, block_n, warps = _tiling(x, kind, m)
+    n_tiles = triton.cdiv(rows_per_member, block_r)
     tiles_per_program = triton.cdiv(n_tiles, _PARTIAL_PROGRAMS)
     programs = triton.cdiv(n_tiles, tiles_per_program)
-    dw_partial = torch.empty((programs, n_cols), dtype=acc, device=x.device) if w is not None else None
-    db_partial = torch.empty((programs, n_cols), dtype=acc, device=x.device) if has_b else None
+    dw_partial = torch.empty((m, programs, n_cols), dtype=acc, device=x.device) if w is not None else None
+    db_partial = torch.empty((m, programs, n_cols), dtype=acc, device=x.device) if has_b else None
     mean, rstd = (rows, rows) if stats is None else (s.reshape(n_rows).contiguous() for s in stats)
-    _norm_bwd_kernel[(programs,)](
+    _norm_bwd_kernel[tiled_grid(m, programs)](
         dy.contiguous().view(n_rows, n_cols),
         rows,
         mean,
@@ -376,11 +397,13 @@ def _bwd(
         dx,
         dx if dw_partial is None else dw_partial,
         dx if db_partial is None else db_partial,
-        n_rows,
+        rows_per_member,
         n_cols,
         mean_count(kind, n_cols),
         eps,
         tiles_per_program,
+        programs,
+        n_cols if w is not None and w.dim() == 2 else 0,
         CENTER=kind == "layer",
         HAS_W=w is not None,
         HAS_B=has_b,
@@ -392,9 +415,13 @@ def _bwd(
         COMPUTE=tl_compute_dtype(x.dtype),
         num_warps=warps,
     )
-    dw = None if dw_partial is None else dw_partial.sum(0).to(w.dtype)
-    db = None if db_partial is None else db_partial.sum(0).to(x.dtype)
-    return dx.view(x.shape), dw, db
+
+    def reduce(partial: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+        if partial is None:
+            return None
+        return (partial.sum(1) if members else partial[0].sum(0)).to(dtype)
+
+    return dx.view(x.shape), reduce(dw_partial, None if w is None else w.dtype), reduce(db_partial, x.dtype)
 
 
 def layer_norm(
@@ -438,6 +465,42 @@ def rms_norm_bwd_add(
 ) -> tuple[Tensor, Tensor]:
     """:func:`rms_norm_bwd` with ``accum`` added to dx in the same pass (TE's ``rmsnorm_bwd_add``)."""
     dx, dw, _ = _bwd(dy, x, weight, eps, "rms", zero_centered_gamma, False, accum)
+    return dx, dw
+
+
+def layer_norm_bwd_members(
+    dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`layer_norm_bwd` of independent members stacked on dimension 0, in one launch.
+
+    ``dy`` and ``x`` are ``[M, ..., N]``, the statistics ``[M, ...]``, γ ``[N]`` (shared) or ``[M, N]``;
+    dγ and dβ are ``[M, N]``, each member's reduced as a call on that member alone reduces it. The
+    norm backward kernels' batching rule: under ``vmap`` (per-example gradients, ``vmap(grad)``) a
+    backward whose dγ summed every member's rows could not run as one launch of the plain kernel.
+    """
+    return _bwd(dy, x, weight, 0.0, "layer", zero_centered_gamma, True, stats=(mean, rstd), members=True)
+
+
+def rms_norm_bwd_members(
+    dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """:func:`rms_norm_bwd` of independent members (see :func:`layer_norm_bwd_members`)."""
+    dx, dw, _ = _bwd(dy, x, weight, eps, "rms", zero_centered_gamma, False, members=True)
+    return dx, dw
+
+
+def layer_norm_bwd_add_members(
+    dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, accum: Tensor, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`layer_norm_bwd_add` of independent members (see :func:`layer_norm_bwd_members`)."""
+    return _bwd(dy, x, weight, 0.0, "layer", zero_centered_gamma, True, accum, (mean, rstd), members=True)
+
+
+def rms_norm_bwd_add_members(
+    dy: Tensor, x: Tensor, weight: Tensor, accum: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """:func:`rms_norm_bwd_add` of independent members (see :func:`layer_norm_bwd_members`)."""
+    dx, dw, _ = _bwd(dy, x, weight, eps, "rms", zero_centered_gamma, False, accum, members=True)
     return dx, dw
 
 
@@ -540,13 +603,29 @@ def _recompute_cancelled_rows(y: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, 
     y_rows[rows] = redone.to(y.dtype)
 
 
-def _layer_norm_grads(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, zero_centered: bool):
-    """``(dx, dγ, dβ)`` of LayerNorm from its statistics, in the compute dtype (the reference path)."""
+def _member_gamma(w: Tensor, x: Tensor, zero_centered: bool, acc: torch.dtype) -> Tensor:
+    """The effective γ broadcast over x's rows: ``[N]`` shared, or ``[M, N]`` (one per member of
+    ``x [M, ..., N]``) viewed as ``[M, 1, ..., 1, N]``."""
+    g = _gamma(w, zero_centered, acc)
+    return g if g.dim() == 1 else g.view(g.shape[0], *([1] * (x.dim() - 2)), g.shape[1])
+
+
+def _member_sums(t: Tensor) -> Tensor:
+    """Σ over each member's rows: ``[M, ..., N]`` -> ``[M, N]`` (explicit counts: M may be 0)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1]).sum(1)
+
+
+def _layer_norm_grads(
+    dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, zero_centered: bool, members: bool = False
+):
+    """``(dx, dγ, dβ)`` of LayerNorm from its statistics, in the compute dtype (the reference path);
+    ``members``: dγ and dβ per member of x's dimension 0 (see :func:`layer_norm_bwd_members`)."""
     acc = compute_dtype(x.dtype)
     dy_a, r = dy.to(acc), rstd.to(acc)[..., None]
     xhat = (x.to(acc) - mean.to(acc)[..., None]) * r
-    dx = _dx(dy_a * _gamma(weight, zero_centered, acc), xhat, r, "layer")
-    return dx, _column_sums(dy_a * xhat), _column_sums(dy_a)
+    dx = _dx(dy_a * _member_gamma(weight, x, zero_centered, acc), xhat, r, "layer")
+    sums = _member_sums if members else _column_sums
+    return dx, sums(dy_a * xhat), sums(dy_a)
 
 
 def layer_norm_bwd_ref(
@@ -566,6 +645,22 @@ def layer_norm_bwd_add_ref(
     if eager_cpu(dy, x, mean, rstd, weight, accum):
         return _layer_norm_bwd_fast(dy, x, mean, rstd, weight, zero_centered_gamma, accum)
     dx, dw, db = _layer_norm_grads(dy, x, mean, rstd, weight, zero_centered_gamma)
+    return (dx + accum.to(dx.dtype)).to(x.dtype), dw.to(weight.dtype), db.to(x.dtype)
+
+
+def layer_norm_bwd_members_ref(
+    dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PyTorch twin of :func:`layer_norm_bwd_members`."""
+    dx, dw, db = _layer_norm_grads(dy, x, mean, rstd, weight, zero_centered_gamma, members=True)
+    return dx.to(x.dtype), dw.to(weight.dtype), db.to(x.dtype)
+
+
+def layer_norm_bwd_add_members_ref(
+    dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, accum: Tensor, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PyTorch twin of :func:`layer_norm_bwd_add_members`."""
+    dx, dw, db = _layer_norm_grads(dy, x, mean, rstd, weight, zero_centered_gamma, members=True)
     return (dx + accum.to(dx.dtype)).to(x.dtype), dw.to(weight.dtype), db.to(x.dtype)
 
 
@@ -603,6 +698,29 @@ def rms_norm_bwd_add_ref(
     dy_a = dy.to(acc)
     dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "rms")
     return (dx + accum.to(acc)).to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype)
+
+
+def _rms_member_grads(dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered: bool):
+    acc = compute_dtype(x.dtype)
+    dy_a = dy.to(acc)
+    dx, xhat = _grads(dy_a, x.to(acc), _member_gamma(weight, x, zero_centered, acc), eps, "rms")
+    return dx, _member_sums(dy_a * xhat).to(weight.dtype)
+
+
+def rms_norm_bwd_members_ref(
+    dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of :func:`rms_norm_bwd_members`."""
+    dx, dw = _rms_member_grads(dy, x, weight, eps, zero_centered_gamma)
+    return dx.to(x.dtype), dw
+
+
+def rms_norm_bwd_add_members_ref(
+    dy: Tensor, x: Tensor, weight: Tensor, accum: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of :func:`rms_norm_bwd_add_members`."""
+    dx, dw = _rms_member_grads(dy, x, weight, eps, zero_centered_gamma)
+    return (dx + accum.to(dx.dtype)).to(x.dtype), dw
 
 
 def l2_normalize_ref(x: Tensor, eps: float) -> Tensor:
@@ -735,14 +853,33 @@ def _rms_bwd_fast(dy, x, gamma, eps, kind, accum=None):
     return shaped(dx, x.shape), dw
 
 
-# Forward kernels batch over rows (γ, β are parameters); the backward kernels
-# reduce over rows into dγ/dβ, so under vmap they run the vmapped twin, which
-# keeps one dγ per batch member.
+# Forward kernels batch over rows (γ, β are parameters; a batched γ or β runs the vmapped twin).
+# The backward kernels reduce over rows into dγ/dβ: a vmapped call runs the ``*_members`` kernel, one
+# launch whose dγ (and dβ) stay per member (vmap(grad): per-example gradients of γ, or an ensemble).
 LAYER_NORM = Kernel("layer_norm", layer_norm, layer_norm_ref, batch=Rowwise(params=(1, 2)))
-LAYER_NORM_BWD = Kernel("layer_norm_bwd", layer_norm_bwd, layer_norm_bwd_ref)
 RMS_NORM = Kernel("rms_norm", rms_norm, rms_norm_ref, batch=Rowwise(params=(1,)))
-RMS_NORM_BWD = Kernel("rms_norm_bwd", rms_norm_bwd, rms_norm_bwd_ref)
-LAYER_NORM_BWD_ADD = Kernel("layer_norm_bwd_add", layer_norm_bwd_add, layer_norm_bwd_add_ref)
-RMS_NORM_BWD_ADD = Kernel("rms_norm_bwd_add", rms_norm_bwd_add, rms_norm_bwd_add_ref)
+LAYER_NORM_BWD_MEMBERS = Kernel(
+    "layer_norm_bwd_members", layer_norm_bwd_members, layer_norm_bwd_members_ref, fast_path=False
+)
+RMS_NORM_BWD_MEMBERS = Kernel("rms_norm_bwd_members", rms_norm_bwd_members, rms_norm_bwd_members_ref, fast_path=False)
+LAYER_NORM_BWD_ADD_MEMBERS = Kernel(
+    "layer_norm_bwd_add_members", layer_norm_bwd_add_members, layer_norm_bwd_add_members_ref, fast_path=False
+)
+RMS_NORM_BWD_ADD_MEMBERS = Kernel(
+    "rms_norm_bwd_add_members", rms_norm_bwd_add_members, rms_norm_bwd_add_members_ref, fast_path=False
+)
+LAYER_NORM_BWD = Kernel(
+    "layer_norm_bwd", layer_norm_bwd, layer_norm_bwd_ref, batch=Members(LAYER_NORM_BWD_MEMBERS, params=(4,))
+)
+RMS_NORM_BWD = Kernel("rms_norm_bwd", rms_norm_bwd, rms_norm_bwd_ref, batch=Members(RMS_NORM_BWD_MEMBERS, params=(2,)))
+LAYER_NORM_BWD_ADD = Kernel(
+    "layer_norm_bwd_add",
+    layer_norm_bwd_add,
+    layer_norm_bwd_add_ref,
+    batch=Members(LAYER_NORM_BWD_ADD_MEMBERS, params=(4,)),
+)
+RMS_NORM_BWD_ADD = Kernel(
+    "rms_norm_bwd_add", rms_norm_bwd_add, rms_norm_bwd_add_ref, batch=Members(RMS_NORM_BWD_ADD_MEMBERS, params=(2,))
+)
 L2_NORMALIZE = Kernel("l2_normalize", l2_normalize, l2_normalize_ref, batch=Rowwise())
 L2_NORMALIZE_BWD = Kernel("l2_normalize_bwd", l2_normalize_bwd, l2_normalize_bwd_ref, batch=Rowwise())
