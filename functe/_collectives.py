@@ -275,7 +275,7 @@ def stand_in(group: Group) -> Tensor | None:
     except Exception:  # (a group functe cannot look up: the caller skips its check)
         return None
     if "gloo" in backend:
-        return torch.empty(0)
+        return torch.empty(0, device="cpu")
     if "nccl" in backend and torch.cuda.is_available():
         return torch.empty(0, device=torch.device("cuda", torch.cuda.current_device()))
     return None

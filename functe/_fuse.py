@@ -1111,6 +1111,12 @@ class Fused:
         # (a trace folds computations on captured tensors with the backend then in force: run under
         # another one, the plan's constants had the first one's bits, whichever call came first)
         key.append(get_backend())
+        fake = _active_fake_mode()
+        if fake is not None:
+            # (a trace under a FakeTensorMode, make_fx's fake tracing, holds fake constants, which a
+            # real call, or another fake mode, cannot use: the plans are kept apart; weakly, so
+            # that the key alone keeps no mode alive)
+            key.append(weakref.ref(fake))
         key = tuple(key)
         try:
             index = self._index.get(key)
@@ -1275,6 +1281,11 @@ def _dict_keys(tree: tuple) -> tuple:
 
     walk(tree)
     return tuple(found)
+
+
+def _active_fake_mode():
+    """The FakeTensorMode in force, or ``None``."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
 _CONTAINERS = (dict, tuple, list)

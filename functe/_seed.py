@@ -26,12 +26,16 @@ def seed_tensor(seed, like: Tensor, op: str) -> Tensor:
     number = as_int(seed)  # (a numpy integer too)
     if number is not None:
         seed = number
+    if isinstance(seed, torch.SymInt):  # (make_fx's symbolic tracing turns an int argument into one)
+        return torch.full((), seed, dtype=torch.int64, device=like.device)
     if isinstance(seed, bool) or not isinstance(seed, (int, Tensor)):
         raise ArgumentError(f"functe.{op}: argument 'seed' expected a Python int or an int64 tensor, got {seed!r}")
     if isinstance(seed, int):
         if not -(2**63) <= seed < 2**63:
             raise ArgumentError(f"functe.{op}: argument 'seed' expected a 64-bit signed integer, got {seed}")
-        return torch.tensor(seed, dtype=torch.int64, device=like.device)
+        # (torch.full, not torch.tensor: a meta torch.tensor inside torch.func.grad fails in torch 2.13,
+        # "attempted to call in-place operation", when shape-checking a training step on meta tensors)
+        return torch.full((), seed, dtype=torch.int64, device=like.device)
     if seed.dtype != torch.int64:
         raise dtype_error(op, "seed", "an i64[] tensor", seed)
     if seed.dim() != 0:

@@ -578,7 +578,12 @@ def _unwrapped(t: Tensor) -> Tensor:
 def storage_of(t: Tensor) -> int:
     """The address of ``t``'s storage (identifies what views share)."""
     try:
-        return t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
+        if storage.device.type == "meta":
+            # (a fake tensor's or a meta tensor's: no data, and asking a fake one for its data
+            # pointer warns, soon fails; the storage object is what its views share)
+            return storage._cdata
+        return storage.data_ptr()
     except (RuntimeError, NotImplementedError):  # (a tensor without storage: treated as its own)
         return -id(t)
 

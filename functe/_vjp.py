@@ -574,12 +574,8 @@ class _HigherOrderGuard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise TransformError(
-            f"functe.{ctx.name}: second-order derivatives are not supported: its backward rule uses "
-            "intermediate results of the forward pass, whose dependence on the inputs autograd cannot see. "
-            "Differentiate through the unfused reference instead, or define the op so that its residuals "
-            "are only its inputs and outputs."
-        )
+        subject, reason = _second_order_subject(ctx.name)
+        raise TransformError(f"{subject}: second-order derivatives are not supported: {reason}")
 
     @staticmethod
     def vmap(info, in_dims, name, anchor, *tensors):
@@ -589,10 +585,41 @@ class _HigherOrderGuard(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, *tangents):
+        subject, reason = _second_order_subject(ctx.name)
         raise TransformError(
-            f"functe.{ctx.name}: forward-mode derivatives of its backward (jvp of grad) are not supported: "
-            "its backward rule uses intermediate results of the forward pass"
+            f"{subject}: forward-mode derivatives of its backward (jvp of grad) are not supported: {reason}"
         )
+
+
+QUANTIZED_FIRST_ORDER = (
+    "it quantizes its operands (FP8 or block-scaled) and the cast has no derivative: it is differentiated "
+    "straight-through, to first order only"
+)
+
+SECOND_ORDER_REASONS: dict[str, str] = {}
+"""Why an op's backward is first-order only, by op name, where it is not the generic reason (the
+quantizing linears register :data:`QUANTIZED_FIRST_ORDER`)."""
+
+
+def _second_order_subject(name: str) -> tuple[str, str]:
+    """``(who, why and what to do)`` for the error of a guarded backward named ``name``."""
+    if name.startswith("fused_"):  # (a fused plan's op: fused_<fn> or its eager node, fused_<fn>_eager)
+        function = name[len("fused_") :].removesuffix("_eager")
+        return (
+            f"functe.fuse({function})",
+            "the fused plan's backward uses intermediate results of its ops (a pre-activation, a quantized "
+            "operand) whose dependence on the inputs autograd cannot see; differentiate the unfused function "
+            f"(`{function}`, the fused function's `__wrapped__`) for higher-order derivatives",
+        )
+    reason = SECOND_ORDER_REASONS.get(name)
+    if reason is not None:
+        return f"functe.{name}", reason
+    return (
+        f"functe.{name}",
+        "its backward rule uses intermediate results of the forward pass, whose dependence on the inputs "
+        "autograd cannot see. Differentiate through the unfused reference instead, or define the op so that "
+        "its residuals are only its inputs and outputs.",
+    )
 
 
 def _guard(name: str, flat: list, anchor: Tensor) -> list:

@@ -172,3 +172,21 @@ def test_argument_errors():
         ops.dropout(x, 0.5, seed=1.5)
     with pytest.raises(ValueError, match=r"64-bit signed integer"):
         ops.dropout(x, 0.5, seed=2**64)
+
+
+def test_an_int_seed_is_a_graph_input_under_symbolic_make_fx():
+    # make_fx's symbolic tracing turns an int argument into a SymInt, which was refused as "not an int"
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = make((8, 16), torch.float32)
+    graph = make_fx(lambda x, s: ops.dropout(x, 0.5, seed=s), tracing_mode="symbolic")(x, 5)
+    for seed in (5, 6):
+        assert torch.equal(graph(x, seed), ops.dropout(x, 0.5, seed=seed))
+
+
+def test_an_int_seed_on_meta_tensors_under_grad():
+    # shape-checking a training step on meta tensors: torch.tensor(seed, device="meta") inside
+    # torch.func.grad failed in torch ("attempted to call in-place operation")
+    x = torch.empty(8, 16, device="meta")
+    dx = torch.func.grad(lambda x: ops.dropout(x, 0.5, seed=7).sum())(x)
+    assert dx.shape == x.shape and dx.device.type == "meta"

@@ -3,6 +3,7 @@ layouts, the twins' CPU fast path vs their reference path, determinism, and the 
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 from act_helpers import UNARY, clamped_swiglu, deinterleave, gated
@@ -415,3 +416,30 @@ def test_norm_backward_members_kernel_rejects_a_weight_of_the_wrong_member_count
     dy = x = torch.ones(3, 4, 8)
     with functe.use_backend("interpret"), pytest.raises(functe.ShapeError, match=r"'weight' expected f32\[3,8\]"):
         nk.RMS_NORM_BWD_MEMBERS(dy, x, torch.ones(2, 8), 1e-5, False)
+
+
+def test_cpu_fast_paths_allocate_on_the_cpu_under_another_default_device():
+    # The fast paths' results and scratch buffers took the ambient default device: CPU tensors inside
+    # `with torch.device("meta")` (or set_default_device) failed with "cross-device copies are not allowed".
+    x, w, s = make((64, 256), torch.float32), make((256,), torch.float32), make((64,), torch.float32)
+    linear_w = make((32, 256), torch.float32)
+    nvfp4 = functe.NVFP4BlockScaling()
+
+    def grads(fn, *args):
+        args = [a.clone().requires_grad_() for a in args]
+        return fn(*args), torch.autograd.grad(fn(*args).sum(), args)
+
+    cases = [
+        lambda: grads(ops.swiglu, x),
+        lambda: grads(lambda x, s: ops.scaled_swiglu(x, s), x, s),
+        lambda: grads(ops.rms_norm, x, w),
+        lambda: grads(ops.l2_normalize, x),
+        lambda: grads(lambda x: ops.dropout(x, 0.5, seed=1), x),
+        lambda: grads(lambda x, w: ops.fp8_linear(x, w, None, None, recipe=nvfp4, seed=3), x, linear_w),
+    ]
+    for case in cases:
+        expected = case()
+        with torch.device("meta"):
+            got = case()
+        for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+            assert a.device.type == "cpu" and torch.equal(a, b)

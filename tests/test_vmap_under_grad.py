@@ -263,3 +263,34 @@ def test_gradients_outside_vmap_keep_no_more_than_torch():
             return sum(torch.Size(s).numel() for p, s in saved_storages(run)[1].items() if p not in parameters)
 
         assert elements(run_functe) <= elements(run_torch)
+
+
+# ----------------------------------------------------------------------------- torch's legacy vmap
+
+_LEGACY_CASES = {
+    "rms_norm": lambda x, w: ops.rms_norm(x, w),
+    "l2_normalize": lambda x, w: ops.l2_normalize(x) * w,
+    "layer_norm": lambda x, w: ops.layer_norm(x, w, w),
+    "qgelu": lambda x, w: ops.qgelu(x * w),
+    "srelu": lambda x, w: ops.srelu(x * w),
+    "swiglu": lambda x, w: ops.swiglu(x * w),
+    "interleaved_geglu": lambda x, w: ops.geglu(x * w, interleave=2),
+    "scaled_srelu": lambda x, w: ops.scaled_srelu(x, w[:3]),
+    "dropout": lambda x, w: ops.dropout(x * w, 0.5, seed=1),
+}
+
+
+@pytest.mark.parametrize("name", list(_LEGACY_CASES))
+def test_batched_gradients_of_torchs_legacy_vmap(name):
+    # autograd.grad(is_grads_batched=True), the vectorized autograd.functional jacobian/hessian and
+    # gradcheck(check_batched_grad=True) batch with torch's legacy vmap, whose tensors are plain
+    # CPU tensors: the twins' fast paths took them and failed on out= ops (and unflatten/flatten).
+    fn = _LEGACY_CASES[name]
+    x, w = torch.randn(3, 8, dtype=F64, requires_grad=True), torch.randn(8, dtype=F64, requires_grad=True)
+    y = fn(x, w)
+    cotangents = torch.randn(5, *y.shape, dtype=F64)
+    batched = torch.autograd.grad(y, (x, w), cotangents, is_grads_batched=True, retain_graph=True)
+    for i, v in enumerate(cotangents):
+        for got, expected in zip(batched, torch.autograd.grad(y, (x, w), v, retain_graph=True)):
+            assert_close(got[i], expected)
+    assert torch.autograd.gradcheck(fn, (x, w), check_batched_grad=True)

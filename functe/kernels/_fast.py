@@ -41,7 +41,8 @@ CHUNK_ELEMENTS = 1 << 17
 def eager_cpu(*tensors: Tensor | None) -> bool:
     """Whether a twin may take its CPU fast path for these arguments.
 
-    True for plain CPU tensors (not fake, not ``torch.func`` wrappers, no forward-mode tangent) that
+    True for plain CPU tensors (not fake, not ``torch.func`` wrappers or legacy-vmap batched tensors,
+    no forward-mode tangent) that
     autograd does not record, outside ``torch.compile`` and outside a tracing dispatch mode.
     """
     # (a tracing dispatch mode records what runs: make_fx, and torch.func.linearize through it,
@@ -58,7 +59,9 @@ def eager_cpu(*tensors: Tensor | None) -> bool:
         # (is_cpu: t.device builds a device object, ~0.3 us per tensor on this per-op path)
         if type(t) not in PLAIN_TENSOR_TYPES or not t.is_cpu or (grad and t.requires_grad):
             return False
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        # (torch's legacy vmap, autograd.grad(is_grads_batched=True) and the vectorized
+        # autograd.functional jacobian/hessian: a plain-typed CPU tensor with no out= batching rules)
+        if torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_legacy_batchedtensor(t):
             return False
     return not any_tangent(tensors)  # (a dual needs the recorded path: forward AD refuses out=)
 
@@ -85,7 +88,7 @@ class Scratch:
     def get(self, name: str, m: int, dtype: torch.dtype | None = None) -> Tensor:
         buf = self._buffers.get(name)
         if buf is None:
-            buf = self._buffers[name] = torch.empty((self.rows, *self.shape), dtype=dtype or self.dtype)
+            buf = self._buffers[name] = torch.empty((self.rows, *self.shape), dtype=dtype or self.dtype, device="cpu")
         return buf[:m]
 
     def upcast(self, name: str, t: Tensor) -> Tensor:

@@ -345,8 +345,15 @@ def _halves(x: Tensor, interleave: int) -> tuple[Tensor, Tensor]:
     k = interleave or h
     if 2 * h != x.shape[-1] or h % k:  # (integer checks: the views below would reinterpret rows)
         _check_halves("activation", x, interleave)
-    blocks = x.unflatten(-1, (h // k, 2, k))
+    # (reshape, a view here: torch's legacy vmap, autograd.grad(is_grads_batched=True), has no unflatten)
+    blocks = x.reshape(*x.shape[:-1], h // k, 2, k)
     return blocks.select(-2, 0), blocks.select(-2, 1)
+
+
+def _merged(t: Tensor, dims: int) -> Tensor:
+    """``t.flatten(-dims)``, as a reshape with explicit sizes (torch's legacy vmap has no flatten,
+    and -1 is ambiguous for 0 rows)."""
+    return t.reshape(*t.shape[:-dims], math.prod(t.shape[-dims:]))
 
 
 def _value(x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
@@ -357,7 +364,7 @@ def _value(x: Tensor, name: str, interleave: int, limit: float, alpha: float, of
     # The halves in the output's shape (a copy when interleaved): the product is then the result
     # itself, where flattening it would return a view, which an in-place op on the result of a
     # Function refuses (and under torch.compile nothing un-views it; see _backend.unaliased_outputs).
-    a, b = (half.flatten(-2) for half in _halves(x, interleave))
+    a, b = (_merged(half, 2) for half in _halves(x, interleave))
     if clamped:
         return _act.clamped_swiglu_fwd_ref(a, b, limit, alpha, offset)
     return _act.act_fwd_ref(a, GATED[name]) * b
@@ -369,14 +376,14 @@ def _vjp(g: Tensor, x: Tensor, name: str, interleave: int, limit: float, alpha: 
     if not gated:
         return g * _act.act_grad_ref(x, name)
     a, b = _halves(x, interleave)
-    g = g.unflatten(-1, a.shape[-2:])
+    g = g.reshape(*g.shape[:-1], *a.shape[-2:])
     if clamped:
         da, db = _act.clamped_swiglu_grads_ref(a, b, limit, alpha, offset)
         da, db = g * da, g * db
     else:  # TE's order (see gated_grads)
         base = GATED[name]
         da, db = (g * _act.act_grad_ref(a, base)) * b, g * _act.act_fwd_ref(a, base)
-    return torch.stack([da, db], dim=-2).flatten(-3)
+    return _merged(torch.stack([da, db], dim=-2), 3)
 
 
 def activation_ref(x: Tensor, name: str, interleave: int, limit: float, alpha: float, offset: float) -> Tensor:
@@ -548,7 +555,7 @@ def _fast_forward(x, s, name, interleave, limit, alpha, offset) -> Tensor:
     n_rows, blocks, k = a.shape
     # (allocated in the output's shape and written through a view: a view returned from a Function
     # costs an un-viewing at the boundary, see _backend.unaliased_outputs)
-    result = torch.empty(_y_shape(x, name), dtype=x.dtype)
+    result = torch.empty(_y_shape(x, name), dtype=x.dtype, device=x.device)
     y = result.view(n_rows, blocks, k)
     s_rows = None if s is None else s.reshape(-1, 1, 1)
 
@@ -576,10 +583,10 @@ def _fast_backward(dy, x, s, name, interleave, limit, alpha, offset) -> tuple[Te
     n_rows, blocks, k = a.shape
     acc = compute_dtype(x.dtype)
     dy_lanes = dy.reshape(n_rows, blocks, k)
-    dx = torch.empty((n_rows, blocks, 2 if gated else 1, k), dtype=x.dtype)
+    dx = torch.empty((n_rows, blocks, 2 if gated else 1, k), dtype=x.dtype, device=x.device)
     da, db = dx.select(2, 0), (dx.select(2, 1) if gated else None)
     s_rows = None if s is None else s.reshape(-1, 1, 1)
-    ds = None if s is None else torch.empty(n_rows, dtype=acc)
+    ds = None if s is None else torch.empty(n_rows, dtype=acc, device=x.device)
 
     def body(_, sl, buf):
         m = sl.stop - sl.start

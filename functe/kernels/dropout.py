@@ -223,14 +223,15 @@ def _dropout_fast(x: Tensor, seed: Tensor, p: float) -> Tensor:
     if not x.numel():  # (a vmap over zero members has zero seeds: no row count to view by)
         return torch.empty_like(x)
     flat = x.contiguous().view(seed.numel(), -1)
-    result = torch.empty(x.shape, dtype=x.dtype)  # (written through a view: a view output costs an un-viewing)
+    # (written through a view: a view output costs an un-viewing)
+    result = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y = result.view(flat.shape)
     n = flat.shape[1]
     size = _fast.CHUNK_ELEMENTS  # a power of two: a chunk never crosses a 2^32 index boundary
     blocks = -(-n // size)
     keys = [key_int(v) for v in seed.reshape(-1).tolist()]
     thresh, factor = threshold(p), scale(p)
-    base = torch.arange(min(size, n), dtype=torch.int32)
+    base = torch.arange(min(size, n), dtype=torch.int32, device=x.device)
 
     def body(i, _, buf):
         g, start = divmod(i, blocks)

@@ -66,10 +66,10 @@ def random_bits_fast(seed: int, start: int, n: int) -> Tensor:
     dropout's fast path; across a boundary it falls back to :func:`random_bits_ref`.
     """
     if (start >> 32) != ((start + max(n, 1) - 1) >> 32):
-        index = torch.arange(start, start + n, dtype=torch.int64)
-        return random_bits_ref(torch.tensor(seed, dtype=torch.int64), index)
+        index = torch.arange(start, start + n, dtype=torch.int64, device="cpu")
+        return random_bits_ref(torch.tensor(seed, dtype=torch.int64, device="cpu"), index)
     key = key_int(seed)
-    v = torch.arange(n, dtype=torch.int32)
+    v = torch.arange(n, dtype=torch.int32, device="cpu")
     v += _i32(start & 0xFFFFFFFF)  # int32 wraps: the low word of the index
     v ^= _i32(mix_int(key ^ mix_int(start >> 32)))
     t = torch.empty_like(v)
@@ -92,8 +92,8 @@ def rht_signs(seed: Tensor) -> Tensor:
 
 def rht_matrix(seed: Tensor) -> Tensor:
     """``Q = diag(s) · H16 / 4`` as a float64 matrix (what the transform multiplies rows by)."""
-    i = torch.arange(RHT_SIZE)
-    parity = torch.zeros(RHT_SIZE, RHT_SIZE, dtype=torch.int64)
+    i = torch.arange(RHT_SIZE, device="cpu")
+    parity = torch.zeros(RHT_SIZE, RHT_SIZE, dtype=torch.int64, device="cpu")
     both = i[:, None] & i[None, :]
     for b in range(4):
         parity ^= (both >> b) & 1

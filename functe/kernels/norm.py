@@ -747,7 +747,9 @@ def l2_normalize_bwd_ref(dy: Tensor, x: Tensor, eps: float) -> Tensor:
 
 def _reduce_partials(parts: dict[int, Tensor], count: int, n_cols: int, acc: torch.dtype) -> Tensor:
     """Per-chunk partial sums added in chunk order (deterministic)."""
-    return torch.stack([parts[i] for i in range(count)]).sum(0) if count else torch.zeros(n_cols, dtype=acc)
+    if not count:
+        return torch.zeros(n_cols, dtype=acc, device="cpu")
+    return torch.stack([parts[i] for i in range(count)]).sum(0)
 
 
 def _rstd(xt: Tensor, kind: str, eps: float) -> Tensor:
@@ -761,7 +763,7 @@ def _rows(*tensors: Tensor) -> list[Tensor]:
 
 
 def _rms_fwd_fast(x, gamma, eps, kind):
-    rows, y = x.reshape(-1, x.shape[-1]), torch.empty(x.shape, dtype=x.dtype)
+    rows, y = x.reshape(-1, x.shape[-1]), torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y_rows = y.view(rows.shape)
 
     def body(_, sl, buf):

@@ -558,7 +558,7 @@ def unit_scale(device: torch.device) -> Tensor:
     return torch.ones((), dtype=torch.float32, device=device)
 
 
-_ONE = torch.ones((), dtype=torch.float32)
+_ONE = torch.ones((), dtype=torch.float32, device="cpu")
 
 
 # ----------------------------------------------------------------------------- MXFP8

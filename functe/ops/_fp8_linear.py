@@ -44,7 +44,7 @@ from .._parallel import (
 from .._quantize import QUANTIZABLE, cast, cast_dbias
 from .._recipe import BLOCK_RECIPES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .._seed import seed_tensor
-from .._vjp import custom_vjp
+from .._vjp import QUANTIZED_FIRST_ORDER, SECOND_ORDER_REASONS, custom_vjp
 from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST
@@ -348,3 +348,6 @@ def fp8_linear(
     if parallel is None:
         return _fp8_linear(x, weight, bias, state, recipe=recipe)
     return _fp8_linear(x, weight, bias, state, recipe=recipe, parallel=parallel)
+
+
+SECOND_ORDER_REASONS["fp8_linear"] = QUANTIZED_FIRST_ORDER  # (what the second-order error says)

@@ -31,7 +31,7 @@ import functools
 import torch
 
 from .._block_quantize import cast_act_block_keep, cast_norm_block, operand_dtype
-from .._vjp import custom_vjp
+from .._vjp import QUANTIZED_FIRST_ORDER, SECOND_ORDER_REASONS, custom_vjp
 from ..kernels._common import rows_view
 from . import _block_linear as block
 from ._fused import q_in_activation_backward, q_in_norm_backward
@@ -88,3 +88,6 @@ activation kernel (q-in; elementwise, gated and clamped activations, chunked lay
 ``activation, block_linear``."""
 
 __all__ = ["forward_activation_block_linear", "forward_norm_block_linear"]
+
+for _name in ("forward_norm_block_linear", "forward_activation_block_linear"):
+    SECOND_ORDER_REASONS[_name] = QUANTIZED_FIRST_ORDER  # (what the second-order error says)

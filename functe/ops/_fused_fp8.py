@@ -36,7 +36,7 @@ from .._errors import RecipeError
 from .._fp8_gemm import native_ok
 from .._quantize import cast_act_output, cast_dact_output_dbias, cast_norm
 from .._recipe import DelayedScaling, MXFP8BlockScaling
-from .._vjp import custom_vjp
+from .._vjp import QUANTIZED_FIRST_ORDER, SECOND_ORDER_REASONS, custom_vjp
 from ..kernels._common import rows_view
 from . import _activation as act
 from . import _fp8_linear as fp8
@@ -154,3 +154,6 @@ state in one pass, then dgrad and wgrad on the quantized ``g``. Covers ``fp8_lin
 activation``."""
 
 __all__ = ["backward_fp8_linear_activation", "forward_activation_fp8_linear", "forward_norm_fp8_linear"]
+
+for _name in ("forward_norm_fp8_linear", "forward_activation_fp8_linear", "backward_fp8_linear_activation"):
+    SECOND_ORDER_REASONS[_name] = QUANTIZED_FIRST_ORDER  # (what the second-order error says)
