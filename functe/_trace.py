@@ -403,11 +403,57 @@ def trace_call(fn: Callable, args: tuple, kwargs: dict, sources: dict[int, Tenso
     # Under grad mode, so that ops take their differentiable path (no donation).
     # (out of inference mode: a plan traced during an eval pass must serve training calls too)
     watch = _CapturedWatch({} if sources is None else sources, _reachable_storages(fn))
-    with _recording(t), torch.inference_mode(False), torch.enable_grad(), watch:
+    with _recording(t), torch.inference_mode(False), torch.enable_grad(), watch, _refusing_module_hooks():
         out = fn(*targs, **tkwargs)
     out_leaves, out_tree = tree_flatten(out)
     outputs = [_output_atom(leaf, t, watch) for leaf in out_leaves]
     return OpList(inputs, t.eqns, outputs, in_tree=in_tree, out_tree=out_tree, static=static)
+
+
+_HOOK_KINDS = {
+    "_forward_pre_hooks": "forward pre-hooks",
+    "_forward_hooks": "forward hooks",
+    "_backward_pre_hooks": "backward pre-hooks",
+    "_backward_hooks": "backward hooks",
+}
+_GLOBAL_HOOKS = {
+    "_global_forward_pre_hooks": "global forward pre-hooks",
+    "_global_forward_hooks": "global forward hooks",
+    "_global_backward_pre_hooks": "global backward pre-hooks",
+    "_global_backward_hooks": "global backward hooks",
+}
+
+
+@contextlib.contextmanager
+def _refusing_module_hooks():
+    """While a trace runs: refuse a module call that has hooks (its own or torch's global ones).
+
+    A traced program calls its modules once, when it is traced: their hooks would run then, on
+    traced values, and never on a later call (activation logging silently stopped; a full backward
+    hook failed on the Tensor.view_as it records). Hooks belong on a module that calls the fused one.
+    """
+    from torch.nn.modules import module as nn_module
+
+    existing = {name: dict(getattr(nn_module, name)) for name in _GLOBAL_HOOKS}
+
+    def check(module, args):
+        if not tracing():
+            return  # (another thread's module call while this one traces)
+        kinds = [label for name, label in _HOOK_KINDS.items() if getattr(module, name, None)]
+        kinds += [label for name, label in _GLOBAL_HOOKS.items() if existing[name]]
+        if kinds:
+            raise TraceError(
+                f"functe.trace: module {type(module).__name__} has {' and '.join(kinds)}: a traced (fused) "
+                "program calls its modules once, when it is traced, so the hooks would run only then, on "
+                "traced values, and never on later calls. Register them on a module that calls the fused "
+                "function, or remove them before fusing"
+            )
+
+    handle = nn_module.register_module_forward_pre_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class _CapturedWatch(torch.overrides.TorchFunctionMode):

@@ -183,6 +183,38 @@ def test_state_passed_through_an_op_is_rejected():
         functe.value_and_grad(loss_fn)(torch.ones(4, 16), state, torch.ones(2, 16))
 
 
+def test_gradient_accumulation_over_backward_calls_is_named_and_one_update_per_backward_works():
+    # Two micro-batches with classic .backward(): the leaves' .grad summed the two cotangents (count
+    # 2), and the error blamed a state used twice or passed through an op.
+    recipe = DelayedScaling(amax_history_len=4)
+    w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+    xs = [torch.randn(16, 32) for _ in range(2)]
+
+    def leaves(state):
+        return functe.tree_map(lambda t: t.detach().clone().requires_grad_(), state)
+
+    state = leaves(functe.init_linear_scaling_state(recipe))
+    for x in xs:
+        ops.fp8_linear(x, w, None, state, recipe=recipe).square().mean().backward()
+    grads = functe.tree_map(lambda t: t.grad, state)
+    with pytest.raises(functe.StateError, match=r"accumulated over several backward calls \(gradient accumulation"):
+        functe.state_from_gradient(functe.tree_map(torch.Tensor.detach, state), grads)
+    # the documented route: one update per backward, the next micro-batch on the new state
+    state, expected = leaves(functe.init_linear_scaling_state(recipe)), functe.init_linear_scaling_state(recipe)
+    for x in xs:
+        ops.fp8_linear(x, w, None, state, recipe=recipe).square().mean().backward()
+        state = leaves(
+            functe.state_from_gradient(
+                functe.tree_map(torch.Tensor.detach, state), functe.tree_map(lambda t: t.grad, state)
+            )
+        )
+        _, _, expected = functe.value_and_grad(
+            lambda p, s, x: ops.fp8_linear(x, p, None, s, recipe=recipe).square().mean()
+        )(w.detach(), expected, x)
+    for got, exp in zip(functe.tree_leaves(state), functe.tree_leaves(expected)):
+        assert torch.equal(got, exp)
+
+
 def test_a_shared_state_passed_through_an_op_is_rejected_too():
     # share_state turned a copy's count of 0.5 (the state scaled by 0.5 on its way) into 1: the
     # halved amax was recorded and the next step saturated.

@@ -299,6 +299,56 @@ def _frozen_block_reference(w, g, x):
     return h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-5) * g
 
 
+class _Frozen(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(make((8, 8)), requires_grad=False)
+
+    def forward(self, x):
+        return ops.gelu(ops.linear(x, self.w))
+
+
+class _Calling(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize(
+    "register, kind",
+    [
+        (lambda m, seen: m.register_forward_hook(lambda mod, a, out: seen.append(out)), "forward hooks"),
+        (lambda m, seen: m.register_forward_pre_hook(lambda mod, a: seen.append(a)), "forward pre-hooks"),
+        (lambda m, seen: m.register_full_backward_hook(lambda mod, gi, go: seen.append(go)), "backward hooks"),
+        (
+            lambda m, seen: torch.nn.modules.module.register_module_forward_hook(lambda *a: seen.append(a)),
+            "global forward hooks",
+        ),
+    ],
+)
+def test_a_module_with_hooks_is_refused_by_the_trace(register, kind):
+    # A traced program calls its modules once: a forward hook ran at trace time only, on a Tracer, and
+    # never again (activation logging silently stopped); a full backward hook failed on Tensor.view_as.
+    module, seen = _Frozen(), []
+    handle = register(module, seen)
+    try:
+        with pytest.raises(functe.TraceError, match=f"module _Frozen has {kind}: a traced"):
+            functe.fuse(module)(make((4, 8)))
+        with pytest.raises(functe.TraceError, match=f"module _Frozen has {kind}"):
+            functe.fuse(lambda x: module(x) * 2.0)(make((4, 8)))
+        assert seen == []
+    finally:
+        handle.remove()
+    wrapper = _Calling(functe.fuse(_Frozen()))  # (hooks on a module calling the fused one)
+    wrapper.register_forward_hook(lambda mod, a, out: seen.append(out))
+    for _ in range(2):
+        wrapper(make((4, 8)))
+    assert len(seen) == 2 and all(type(out) is torch.Tensor for out in seen)
+
+
 def test_a_fused_module_under_functional_call_uses_the_tensors_given():
     # The plan held the weights it captured at its trace: functional_call computed with the module's
     # own weights (or, called first, left the substituted ones in place for later calls), and
