@@ -717,10 +717,16 @@ def test_scale_functions_name_a_bad_role():
 def _kernel_level_misuse():
     from functe.kernels import activation as act
     from functe.kernels import norm
+    from functe.kernels.block_quantize import FP8_BLOCK_DEQUANTIZE
     from functe.kernels.dropout import DROPOUT
-    from functe.kernels.elementwise import ADD_BIAS
+    from functe.kernels.elementwise import ADD_BIAS, AXPBY
     from functe.kernels.hadamard import RHT16
-    from functe.kernels.nvfp4 import NVFP4_CAST
+    from functe.kernels.norm_block_quantize import NORM_FP8_BLOCK_CAST
+    from functe.kernels.norm_quantize import NORM_CAST_AMAX
+    from functe.kernels.nvfp4 import NVFP4_CAST, NVFP4_DEQUANTIZE
+    from functe.kernels.quantize import DACT_DBIAS
+
+    e4 = torch.float8_e4m3fn
 
     x, clamp = torch.ones(3, 8), (7.0, 1.702, 1.0)
     return [
@@ -738,10 +744,70 @@ def _kernel_level_misuse():
             ),
             r"even number of values to pack \(got 5\)",
         ),
+        (lambda: AXPBY(torch.ones(3, 4), torch.ones(4), 1.0, 1.0), r"'e' expected f32\[3,4\], got f32\[4\]"),
+        (lambda: DACT_DBIAS(torch.ones(1, 8), x, "gelu"), r"'dy' expected f32\[3,8\], got f32\[1,8\]"),
+        (
+            lambda: NORM_CAST_AMAX(
+                x, torch.ones(2), torch.zeros(8), torch.ones(()), 1e-5, "layer", False, e4, e4, True
+            ),
+            r"'weight' expected f32\[8\], got f32\[2\]",
+        ),
+        (
+            lambda: NORM_FP8_BLOCK_CAST(x, torch.ones(8), torch.zeros(2), 1e-5, "layer", False, e4, e4, False, 0.0),
+            r"'bias' expected f32\[8\], got f32\[2\]",
+        ),
+        (
+            lambda: FP8_BLOCK_DEQUANTIZE(torch.ones(4, 256).to(e4), torch.ones(4, 1), 1, torch.float32),
+            r"'scale_inv' expected f32\[4,2\], got f32\[4,1\] \(1x128 blocks",
+        ),
+        (
+            lambda: NVFP4_DEQUANTIZE(
+                torch.ones(4, 128, dtype=torch.uint8), torch.ones(4, 4).to(e4), torch.ones(()), 1, torch.float32
+            ),
+            r"'scales' expected f8e4m3\[4,16\], got f8e4m3\[4,4\]",
+        ),
     ]
 
 
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("on", ["launcher", "twin"])
+def test_kernel_level_dequantize_refuses_scales_of_other_blocks_on_both_paths(on):
+    # the twins broadcast one row of scales over every row (silently), the launchers read past them
+    from functe.kernels.block_quantize import FP8_BLOCK_DEQUANTIZE
+
+    kernel = FP8_BLOCK_DEQUANTIZE.launcher if on == "launcher" else FP8_BLOCK_DEQUANTIZE.twin
+    with (
+        functe.use_backend("interpret"),
+        pytest.raises(functe.ShapeError, match=r"expected f32\[4,2\], got f32\[1,2\]"),
+    ):
+        kernel(torch.ones(4, 256).to(torch.float8_e4m3fn), torch.ones(1, 2), 1, torch.float32)
+
+
+def test_kernel_level_negative_interleave_is_refused():
+    from functe.kernels import activation as act
+
+    with functe.use_backend("interpret"), pytest.raises(ValueError, match=r"'interleave' expected an int >= 0, got -1"):
+        act.ACTIVATION(torch.ones(1, 8), "reglu", -1, 7.0, 1.702, 1.0)
+
+
+def test_norm_cast_statistics_of_rows_of_nothing_are_the_twins():
+    # N = 0: no program runs, and the fused norm + cast launchers returned unwritten statistics
+    from functe.kernels.norm_block_quantize import NORM_FP8_BLOCK_CAST, NORM_NVFP4_CAST
+    from functe.kernels.norm_quantize import NORM_CAST_AMAX
+
+    x, w, e4 = torch.empty(4, 0), torch.ones(0), torch.float8_e4m3fn
+    calls = [
+        lambda k: k(x, w, w, torch.ones(()), 1e-5, "layer", False, e4, e4, True)[1:3],
+        lambda k: k(x, w, w, 1e-5, "layer", False, e4, e4, False, 0.0)[3:5],
+        lambda k: k(x, w, w, torch.tensor(1.0), 1e-5, "layer", False, torch.bfloat16)[3:5],
+    ]
+    for kernel, call in zip((NORM_CAST_AMAX, NORM_FP8_BLOCK_CAST, NORM_NVFP4_CAST), calls):
+        with functe.use_backend("interpret"):
+            mean, rstd = call(kernel.launcher)
+        twin_mean, twin_rstd = call(kernel.twin)
+        assert torch.equal(mean, twin_mean) and mean.eq(0).all() and rstd.isnan().all() and twin_rstd.isnan().all()
+
+
+@pytest.mark.parametrize("case", range(15))
 def test_kernel_level_calls_with_shapes_the_kernels_would_read_past_are_refused(case):
     # The ops check their arguments; the Kernel objects (a documented kernel-level API, what fusion
     # rules call) did not: their launchers read past a short weight, bias or scale, left part of a

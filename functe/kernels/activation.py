@@ -226,6 +226,8 @@ def check_layout(name: str, x: Tensor, interleave: int) -> None:
 
 def _check_halves(what: str, x: Tensor, interleave: int) -> None:
     n = x.shape[-1] if x.dim() else 0
+    if interleave < 0:  # (the kernel read blocks of a negative width; the twin failed in a reshape)
+        raise ValueError(f"functe.activation: argument 'interleave' expected an int >= 0, got {interleave}")
     if n < 2 or n % 2 or (interleave and (n // 2) % interleave):
         expected = describe_shape(x.dtype, (Ellipsis, "2H"))
         layout = f"H divisible by interleave={interleave}" if interleave else "two halves"

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import describe_shape, shape_error
 from .._kernel import Kernel, Rowwise
 from . import _act, _fast
 from ._common import rows_view
@@ -561,9 +562,21 @@ def dequantize_grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int]:
     return tiled_grid(triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c)), block_r, block_c
 
 
+def check_block_scales(op: str, arg: str, scales: Tensor, shape, block_rows: int, block_cols: int) -> None:
+    """Block scales of the shape a tensor of ``shape`` has: ``[..., ceil(K/cols)]`` for 1-D blocks,
+    ``[ceil(M/rows), ceil(K/cols)]`` for 2-D ones. (The dequantize kernels index them by the data's
+    blocks and read past short scales; the twins broadcast a single row of them.)"""
+    cols = -(-shape[-1] // block_cols) if len(shape) else 0
+    expected = (*shape[:-1], cols) if block_rows == 1 else (-(-shape[0] // block_rows), cols)
+    if tuple(scales.shape) != expected:
+        blocks = f"{block_rows}x{block_cols} blocks of {tuple(shape)} values"
+        raise shape_error(op, arg, describe_shape(scales.dtype, expected), scales, blocks)
+
+
 def fp8_block_dequantize(data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype) -> Tensor:
     """``data * scale_inv`` per block: float8 ``data [..., K]``, fp32 ``scale_inv`` of 1x128 blocks
     (``block_rows=1``: ``[..., ceil(K/128)]``) or 128x128 blocks (``[ceil(M/128), ceil(K/128)]``)."""
+    check_block_scales("dequantize", "scale_inv", scale_inv, data.shape, block_rows, BLOCK)
     rows = rows_view(data.contiguous())
     y = torch.empty(data.shape, dtype=out_dtype, device=data.device)
     if rows.numel():
@@ -614,6 +627,7 @@ def block_index(n: int, block: int, device: torch.device) -> Tensor:
 
 def fp8_block_dequantize_ref(data: Tensor, scale_inv: Tensor, block_rows: int, out_dtype: torch.dtype) -> Tensor:
     """PyTorch twin of :func:`fp8_block_dequantize`."""
+    check_block_scales("dequantize", "scale_inv", scale_inv, data.shape, block_rows, BLOCK)
     return (data.to(torch.float32) * expand_block_scales(scale_inv, data.shape, block_rows, BLOCK)).to(out_dtype)
 
 

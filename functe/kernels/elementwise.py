@@ -36,6 +36,8 @@ def _axpby_kernel(X, E, Y, n, alpha, beta, HAS_E: tl.constexpr, BLOCK: tl.conste
 
 def axpby(x: Tensor, e: Tensor | None, alpha: float, beta: float) -> Tensor:
     """``alpha * x + beta * e`` (``e`` may be None), computed in fp32."""
+    if e is not None and e.shape != x.shape:  # (the kernel indexes e by x's elements: it read past a short e)
+        raise shape_error("axpby", "e", describe_shape(e.dtype, tuple(x.shape)), e, "x's shape")
     x = x.contiguous()
     y = torch.empty_like(x)
     n = x.numel()

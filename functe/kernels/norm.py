@@ -306,6 +306,26 @@ def _check_launch(kind: str, x: Tensor, members: int | None = None, **others: Te
             raise shape_error(_OPS[kind], arg, describe_shape(t.dtype, tuple(expected)), t)
 
 
+def new_stats(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+    """LayerNorm's ``(mean, rstd)`` buffers for ``x`` (``x.shape[:-1]``, compute dtype; empty for the
+    other kinds), for a kernel to write. Rows of nothing (N = 0) get the twin's statistics here, mean
+    0 and rstd NaN (a 0/0 variance), since no program runs to write them (the norm + cast launchers
+    returned unwritten memory)."""
+    stats = kind == "layer"
+    mean = torch.empty(x.shape[:-1] if stats else (0,), dtype=compute_dtype(x.dtype), device=x.device)
+    rstd = torch.empty_like(mean)
+    if stats and x.shape[-1] == 0:
+        mean.zero_()
+        rstd.fill_(math.nan)
+    return mean, rstd
+
+
+def check_norm_params(kind: str, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
+    """γ and β of shape ``(N,)`` for a launcher indexing them by x's columns, and no β for RMSNorm."""
+    check_norm_bias(kind, bias)
+    _check_launch(kind, x, weight=weight, bias=bias)
+
+
 def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, zero_centered: bool):
     """``y``, or for LayerNorm ``(y, mean, rstd)`` (statistics of shape ``x.shape[:-1]``, compute dtype)."""
     _check_launch(kind, x, weight=w, bias=b)
@@ -315,11 +335,7 @@ def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, z
     # returned from a Function cost an un-viewing at its boundary (_backend.unaliased_outputs).
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     stats = kind == "layer"
-    mean = torch.empty(x.shape[:-1] if stats else 0, dtype=compute_dtype(x.dtype), device=x.device)
-    rstd = torch.empty_like(mean)
-    if n_cols == 0 and stats:  # (rows of nothing: the twin's statistics, 0/0 variance, not unwritten memory)
-        mean.zero_()
-        rstd.fill_(math.nan)
+    mean, rstd = new_stats(x, kind)
     if rows.numel():
         block_r, block_n, warps = _tiling(x, kind)
         _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](

@@ -40,7 +40,17 @@ from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import jit
 from .block_quantize import BLOCK as FP8_BLOCK
 from .block_quantize import fp8_block_cast_ref, fp8_block_scale, nan_max
-from .norm import _tiling, check_norm_bias, layer_norm_ref, mean_count, norm_fwd_tile, rms_norm_ref, store_stats
+from .norm import (
+    _tiling,
+    check_norm_bias,
+    check_norm_params,
+    layer_norm_ref,
+    mean_count,
+    new_stats,
+    norm_fwd_tile,
+    rms_norm_ref,
+    store_stats,
+)
 from .nvfp4 import BLOCK as NVFP4_BLOCK
 from .nvfp4 import global_scales, nvfp4_block_scales, nvfp4_cast_ref, round_e2m1
 from .quantize import _storage, encode_fp8, fp8_constexprs, round_to_fp8, saturate
@@ -115,7 +125,7 @@ def _norm_block_cast_kernel(
 
 def _launch(x, weight, bias, amax, eps, kind, zero_centered_gamma, nvfp4, qdtype, out_dtype, pow2, amax_eps):
     """``(y, q, block scales, mean, rstd)`` (see :func:`norm_fp8_block_cast` / :func:`norm_nvfp4_cast`)."""
-    check_norm_bias(kind, bias)
+    check_norm_params(kind, x, weight, bias)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     block = NVFP4_BLOCK if nvfp4 else FP8_BLOCK
@@ -124,9 +134,7 @@ def _launch(x, weight, bias, amax, eps, kind, zero_centered_gamma, nvfp4, qdtype
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     s_dtype = torch.float8_e4m3fn if nvfp4 else torch.float32
     scales = torch.empty((*x.shape[:-1], n_blocks), dtype=s_dtype, device=x.device)
-    stats_shape = x.shape[:-1] if kind == "layer" else (0,)
-    mean = torch.empty(stats_shape, dtype=compute_dtype(x.dtype), device=x.device)
-    rstd = torch.empty_like(mean)
+    mean, rstd = new_stats(x, kind)
     if rows.numel() == 0:
         return y, q, scales, mean, rstd
     block_r, block_n, warps = _tiling(x, kind)  # the norm kernels' tiling: the same reductions

@@ -31,9 +31,19 @@ import triton
 import triton.language as tl
 
 from .._kernel import Kernel
-from ._common import as_rows, compute_dtype, tl_compute_dtype
+from ._common import as_rows, tl_compute_dtype
 from ._triton import jit
-from .norm import _tiling, check_norm_bias, layer_norm_ref, mean_count, norm_fwd_tile, rms_norm_ref, store_stats
+from .norm import (
+    _tiling,
+    check_norm_bias,
+    check_norm_params,
+    layer_norm_ref,
+    mean_count,
+    new_stats,
+    norm_fwd_tile,
+    rms_norm_ref,
+    store_stats,
+)
 from .quantize import _storage, cast_amax_ref, encode_fp8, fp8_constexprs, round_to_fp8, saturate, tile_amax
 
 Tensor = torch.Tensor
@@ -87,12 +97,6 @@ def _norm_cast_kernel(
         tl.store(Q + offs, q.to(Q.dtype.element_ty), mask=mask)
 
 
-def _stats(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-    """Uninitialised ``(mean, rstd)``: one value per row for LayerNorm (``x.shape[:-1]``), none for RMSNorm."""
-    mean = torch.empty(x.shape[:-1] if kind == "layer" else (0,), dtype=compute_dtype(x.dtype), device=x.device)
-    return mean, torch.empty_like(mean)
-
-
 def norm_cast_amax(
     x: Tensor,
     weight: Tensor,
@@ -113,11 +117,11 @@ def norm_cast_amax(
     and ``rstd`` are LayerNorm's statistics (shape ``x.shape[:-1]``, as :func:`functe.kernels.norm.layer_norm`
     returns them); empty for RMSNorm.
     """
-    check_norm_bias(kind, bias)
+    check_norm_params(kind, x, weight, bias)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     q = torch.empty(x.shape if write else (0,), dtype=out_dtype, device=x.device)
-    mean, rstd = _stats(x, kind)
+    mean, rstd = new_stats(x, kind)
     if rows.numel() == 0:
         return q, mean, rstd, torch.zeros((), dtype=torch.float32, device=x.device)
     block_r, block_n, warps = _tiling(x, kind)  # the norm kernels' tiling: the same reductions
@@ -166,7 +170,7 @@ def norm_cast_amax_ref(
     if kind == "layer":
         y, mean, rstd = layer_norm_ref(x, weight, bias, eps, zero_centered_gamma)
     else:
-        y, (mean, rstd) = rms_norm_ref(x, weight, eps, zero_centered_gamma), _stats(x, kind)
+        y, (mean, rstd) = rms_norm_ref(x, weight, eps, zero_centered_gamma), new_stats(x, kind)
     q, amax = cast_amax_ref(y, scale, qdtype, out_dtype, write)
     return q, mean, rstd, amax
 

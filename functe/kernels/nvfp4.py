@@ -51,6 +51,7 @@ from .block_quantize import (
     block_scale_at,
     blocked,
     by_row_chunks,
+    check_block_scales,
     decode_fp8,
     dequantize_grid,
     expand_block_scales,
@@ -410,6 +411,7 @@ def nvfp4_dequantize(
 ) -> Tensor:
     """``e2m1 · s · global_decode`` of packed codes ``data [..., K/2]`` with E4M3 block scales of
     1x16 (``block_rows=1``: ``[..., ceil(K/16)]``) or 16x16 blocks (``[ceil(M/16), ceil(K/16)]``)."""
+    check_block_scales("dequantize", "scales", scales, (*data.shape[:-1], 2 * data.shape[-1]), block_rows, BLOCK)
     rows = rows_view(data.contiguous())
     y = torch.empty((*data.shape[:-1], 2 * data.shape[-1]), dtype=out_dtype, device=data.device)
     if rows.numel():
@@ -434,6 +436,7 @@ def nvfp4_dequantize_ref(
 ) -> Tensor:
     """PyTorch twin of :func:`nvfp4_dequantize`."""
     values = unpack_e2m1(data)
+    check_block_scales("dequantize", "scales", scales, values.shape, block_rows, BLOCK)
     return (values * expand_block_scales(scales, values.shape, block_rows, BLOCK) * global_decode).to(out_dtype)
 
 

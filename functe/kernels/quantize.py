@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import describe_shape, shape_error
 from .._kernel import Kernel, Rowwise
 from . import _act
 from ._common import as_rows, column_sums
@@ -249,6 +250,8 @@ def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, wr
     ``round_``: round ``v`` to x's dtype first (what an unfused activation would store);
     ``cast=False``: store ``v`` itself in ``out_dtype`` (no FP8 rounding).
     """
+    if dy is not None and dy.shape != x.shape:  # (the kernel indexes dy by x's rows: it read past a short dy)
+        raise shape_error("dactivation", "dy", describe_shape(dy.dtype, tuple(x.shape)), dy, "x's shape")
     gated = mode == _MODE_ACT and (act == CLAMPED_SWIGLU or act in _act.GATED)
     in_cols = x.shape[-1] if x.dim() else 1
     n_cols = in_cols // 2 if gated else in_cols
