@@ -763,6 +763,7 @@ class _Variant:
         if plan._opaque_eqns:
             forward, bwd = _replaying(forward, bwd)
         forward.input_labels = plan.input_labels  # (read by custom_vjp's gradient check)
+        forward.second_order = second_order = _second_order(plan.name)  # (read by custom_vjp's guard)
         # The plan's literal tensors (a captured frozen weight, a seed): plain tensors no input reaches
         # (see _trace._untracked_constant), so a backward that keeps one has an exact second order.
         literals = tuple(v for v in namespace.values() if isinstance(v, Tensor))
@@ -782,6 +783,7 @@ class _Variant:
             constant,
             literals,
             plan.input_labels,
+            second_order,
         )
         if not all(isinstance(a, Var) for a in program.outputs):
             self.eager = lambda *tensors: self.with_constants(eager(*tensors))
@@ -876,6 +878,16 @@ def program_input_labels(program: OpList, names: tuple[str, ...]) -> list[str]:
     return [f"input {i}" for i in range(count)]  # (a program built by hand, not traced from a call)
 
 
+def _second_order(function: str) -> tuple[str, str]:
+    """What a fused plan's second-order error says (see ``_vjp._HigherOrderGuard``)."""
+    return (
+        f"functe.fuse({function})",
+        "the fused plan's backward uses intermediate results of its ops (a pre-activation, a quantized "
+        "operand) whose dependence on the inputs autograd cannot see; differentiate the unfused function "
+        f"(`{function}`, the fused function's `__wrapped__`) for higher-order derivatives",
+    )
+
+
 def _eager_function(
     name: str,
     forward: Callable,
@@ -885,6 +897,7 @@ def _eager_function(
     constant_outputs: tuple[bool, ...],
     literals: tuple[Tensor, ...],
     input_labels: Callable[[], list[str]],
+    second_order: tuple[str, str],
 ) -> Callable:
     """The fused op for plain eager autograd (no torch.func transform, not compiling).
 
@@ -934,7 +947,7 @@ def _eager_function(
             grads_in = backward(res, cts)
         else:
             grads_in = list(backward_op(res, cts))
-            grads_in = tuple(_guard(name, grads_in, next(saved))) if n_new else tuple(grads_in)
+            grads_in = tuple(_guard(second_order, grads_in, next(saved))) if n_new else tuple(grads_in)
         if unchecked[0]:
             # (a backstop: each step's cotangents are checked first, see _StepCheck)
             check_gradients(name, grads_in, ctx.in_meta, " (in a fused plan's backward)", input_labels)
@@ -1022,6 +1035,7 @@ class Fused:
         self._plans: list[Plan] = []
         self._last_key: tuple | None = None
         self.stale_retraces = 0  # of trace_count: retraces of a plan whose folded constants went stale
+        self._fake_slot: tuple[tuple, int] | None = None  # (key, index) of the plan traced under a fake mode
 
     def __call__(self, *args, **kwargs):
         if _trace.tracing():
@@ -1129,12 +1143,23 @@ class Fused:
                 ) from None
             raise _unhashable_error(self, leaves, spec) from None
         if index is None:
-            index = self._new_plan(key, leaves, args, kwargs)
+            slot = None
+            if fake is not None and self._fake_slot is not None:
+                # One plan for fake calls: a new signature or fake mode replaces the last one (each
+                # fake mode's plan holds its mode and fake constants: kept, every memory estimate
+                # or make_fx call leaked one, and counted toward the retrace warning)
+                old_key, slot = self._fake_slot
+                self._index.pop(old_key, None)
+            index = self._new_plan(key, leaves, args, kwargs, slot=slot)
+            if fake is not None:
+                self._fake_slot = (key, index)
         elif self._plans[index].watches and self._plans[index].stale():
             index = self._new_plan(key, leaves, args, kwargs, stale=index)
         return index, tensors
 
-    def _new_plan(self, key: tuple, leaves: list, args, kwargs, stale: int | None = None) -> int:
+    def _new_plan(
+        self, key: tuple, leaves: list, args, kwargs, stale: int | None = None, slot: int | None = None
+    ) -> int:
         """Trace and plan a new signature (or one whose plan is ``stale``); the index of its plan."""
         # One thread at a time (tracing is global state); the index is published only with its plan,
         # and a thread that waited finds the plan another one made for the same signature.
@@ -1158,6 +1183,11 @@ class Fused:
             modules = {id(v): v for v in _trace._reached(self.__wrapped__) if isinstance(v, torch.nn.Module)}
             if modules:
                 plan.bind(list(modules.values()), list(sources.values()))
+            if slot is not None:  # (a fake call's plan replacing the last one: see _lookup)
+                self._plans[slot] = plan
+                setattr(self, f"_plan{slot}", plan)
+                self._index[key] = slot
+                return slot
             if stale is not None:  # (same signature: the plan is replaced in place)
                 self._plans[stale] = plan
                 setattr(self, f"_plan{stale}", plan)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import threading
 import types
@@ -324,12 +325,17 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
             try:
                 # Fake tensors on the real device: a function that uses a tensor it captured (an opaque
                 # function's constant) cannot mix it with meta tensors, but can with fake ones.
-                result = _run_forward_rule(op, inputs, params, in_tree, fake=True)
+                with _quiet_fake_tensor_log():
+                    result = _run_forward_rule(op, inputs, params, in_tree, fake=True)
             except FuncteError:
                 raise
             except Exception:
                 # (a TypeError about the call itself, e.g. a missing keyword, is no data dependence)
-                hint = "does the call pass its static parameters?" if _call_error(e) else "is it data-dependent?"
+                hint = (
+                    "does the call pass its static parameters?"
+                    if _call_error(e)
+                    else f"do its inputs ({', '.join(_atom_shapes(inputs))}) fit together? is it data-dependent?"
+                )
                 raise TraceError(
                     f"functe.trace: cannot infer the output shapes of {op.name} by running its forward rule on "
                     f"shape-only (meta) tensors; {hint} ({type(e).__name__}: {e})"
@@ -337,6 +343,22 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
     if not (isinstance(result, tuple) and len(result) == 2):
         raise RuleError(f"functe.{op.name}: the forward rule must return (out, residuals), got {describe(result)}")
     return result
+
+
+def _atom_shapes(inputs) -> list[str]:
+    return [a.aval if isinstance(a, Var) else describe(a.value) for a in inputs]
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """torch's fake-tensor logger off for a shape run expected to fail: it logged ~70 lines of
+    traceback ("failed while attempting to run meta") before functe's own error said what failed."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _call_error(error: Exception) -> bool:
@@ -424,6 +446,17 @@ _GLOBAL_HOOKS = {
 }
 
 
+def _user_hooks(hooks) -> list:
+    """The hooks of one kind a module has, but those that only derive a parameter from others the
+    trace captures (weight_norm's, pruning's: the captured-tensor watch retraces when those change)."""
+    if not hooks:
+        return []
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return [h for h in hooks.values() if not isinstance(h, (WeightNorm, BasePruningMethod))]
+
+
 @contextlib.contextmanager
 def _refusing_module_hooks():
     """While a trace runs: refuse a module call that has hooks (its own or torch's global ones).
@@ -434,12 +467,16 @@ def _refusing_module_hooks():
     """
     from torch.nn.modules import module as nn_module
 
-    existing = {name: dict(getattr(nn_module, name)) for name in _GLOBAL_HOOKS}
+    # (functe's own checks, a nested or another thread's trace's, are no user hooks)
+    existing = {
+        name: [h for h in getattr(nn_module, name).values() if not getattr(h, "_functe_check", False)]
+        for name in _GLOBAL_HOOKS
+    }
 
     def check(module, args):
         if not tracing():
             return  # (another thread's module call while this one traces)
-        kinds = [label for name, label in _HOOK_KINDS.items() if getattr(module, name, None)]
+        kinds = [label for name, label in _HOOK_KINDS.items() if _user_hooks(getattr(module, name, None))]
         kinds += [label for name, label in _GLOBAL_HOOKS.items() if existing[name]]
         if kinds:
             raise TraceError(
@@ -449,6 +486,7 @@ def _refusing_module_hooks():
                 "function, or remove them before fusing"
             )
 
+    check._functe_check = True
     handle = nn_module.register_module_forward_pre_hook(check)
     try:
         yield

@@ -601,16 +601,16 @@ SECOND_ORDER_REASONS: dict[str, str] = {}
 quantizing linears register :data:`QUANTIZED_FIRST_ORDER`)."""
 
 
-def _second_order_subject(name: str) -> tuple[str, str]:
-    """``(who, why and what to do)`` for the error of a guarded backward named ``name``."""
-    if name.startswith("fused_"):  # (a fused plan's op: fused_<fn> or its eager node, fused_<fn>_eager)
-        function = name[len("fused_") :].removesuffix("_eager")
-        return (
-            f"functe.fuse({function})",
-            "the fused plan's backward uses intermediate results of its ops (a pre-activation, a quantized "
-            "operand) whose dependence on the inputs autograd cannot see; differentiate the unfused function "
-            f"(`{function}`, the fused function's `__wrapped__`) for higher-order derivatives",
-        )
+def second_order_subject(fwd: Callable, name: str) -> str | tuple[str, str]:
+    """What a guarded backward's error names: ``fwd.second_order`` (``(who, why)``, set by whoever
+    made the op and knows better: a fused plan) or the op's ``name``."""
+    return getattr(fwd, "second_order", name)
+
+
+def _second_order_subject(name: str | tuple[str, str]) -> tuple[str, str]:
+    """``(who, why and what to do)`` for the error of a guarded backward (see :func:`second_order_subject`)."""
+    if isinstance(name, tuple):
+        return name
     reason = SECOND_ORDER_REASONS.get(name)
     if reason is not None:
         return f"functe.{name}", reason
@@ -622,7 +622,7 @@ def _second_order_subject(name: str) -> tuple[str, str]:
     )
 
 
-def _guard(name: str, flat: list, anchor: Tensor) -> list:
+def _guard(name: str | tuple[str, str], flat: list, anchor: Tensor) -> list:
     """``flat`` (the gradients a backward rule returned) through :class:`_HigherOrderGuard`."""
     positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor)]
     if not positions:
@@ -891,7 +891,7 @@ def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
         # (an unbatched input gets the sum of the members' cotangents)
         result[k] = g.sum(0) if batch.dims[k] is None else g
     if layout.guarded and torch.is_grad_enabled():  # (its backward uses intermediates: see _guard)
-        result = _guard(batch.name, result, new[-1])
+        result = _guard(second_order_subject(batch.fwd, batch.name), result, new[-1])
     return tuple(result)
 
 
@@ -979,7 +979,7 @@ def _make_function(
             cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **extra, **call.static)
             flat = _flatten_cotangents(name, call, cts, ctx.in_meta, fwd)
         if layout.guarded and torch.is_grad_enabled():
-            flat = _guard(name, flat, next(saved))
+            flat = _guard(second_order_subject(fwd, name), flat, next(saved))
         return (None, *flat)
 
     def jvp(ctx, *tangents):

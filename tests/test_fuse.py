@@ -349,6 +349,59 @@ def test_a_module_with_hooks_is_refused_by_the_trace(register, kind):
     assert len(seen) == 2 and all(type(out) is torch.Tensor for out in seen)
 
 
+def test_modules_without_user_hooks_pass_nested_traces_and_derived_weight_hooks():
+    # A trace inside a trace took the outer trace's own check for a user's global hook; weight_norm's
+    # and pruning's forward pre-hooks only derive the weight from captured tensors (fused as before)
+    module = _Frozen()
+    x = make((4, 8))
+
+    def inspects_then_calls(x):
+        functe.trace(module)(x)  # (an op list of a sub-block, made while tracing)
+        return module(x)
+
+    assert torch.equal(functe.fuse(inspects_then_calls)(x), module(x))
+    with warnings.catch_warnings():  # (the old weight_norm is deprecated, and still used)
+        warnings.simplefilter("ignore", FutureWarning)
+        weight_norm = torch.nn.utils.weight_norm(_Frozen(), "w")
+    for derive in (
+        lambda m: weight_norm,
+        lambda m: torch.nn.utils.prune.l1_unstructured(m, "w", amount=0.5),
+    ):
+        module = derive(_Frozen()).requires_grad_(False)
+        fused = functe.fuse(module)
+        assert torch.equal(fused(x), module(x))
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_fake_mode_plans_take_one_slot():
+    # each memory estimate under a fresh FakeTensorMode kept a plan holding its mode (a leak), and
+    # warned about static arguments changing on every call
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fused = functe.fuse(lambda x, w: ops.linear(x, w, torch.zeros(8)))
+    x, w = make((4, 16)), make((8, 16))
+    expected = fused(x, w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(_fuse.RETRACE_WARNING + 2):
+            with FakeTensorMode() as mode:
+                fused(mode.from_tensor(x), mode.from_tensor(w))
+    assert len(fused._plans) == 2 and fused.trace_count == _fuse.RETRACE_WARNING + 3
+    assert torch.equal(fused(x, w), expected) and fused.trace_count == _fuse.RETRACE_WARNING + 3
+
+
+def test_a_user_op_named_like_a_fused_plan_keeps_its_name_in_the_second_order_error():
+    def fwd(x):
+        y = torch.sin(x)
+        return y, (y * 2,)  # (an intermediate residual: first order only)
+
+    op = functe.custom_vjp("fused_attention", fwd, lambda res, dy: (res[0] * dy / 2,))
+    x = make((3,), F64).requires_grad_()
+    (g,) = torch.autograd.grad(op(x).sum(), x, create_graph=True)
+    with pytest.raises(functe.TransformError, match=r"^functe\.fused_attention: second-order .* its backward rule"):
+        g.sum().backward()
+
+
 def test_a_fused_module_under_functional_call_uses_the_tensors_given():
     # The plan held the weights it captured at its trace: functional_call computed with the module's
     # own weights (or, called first, left the substituted ones in place for later calls), and

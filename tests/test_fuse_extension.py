@@ -368,3 +368,146 @@ def test_check_catches_a_fusion_wrong_only_when_an_input_is_frozen():
         check(
             _lean_rule("coupled", couple=True), {"x": torch.empty(3, 4), "s": torch.empty(()), "w": torch.empty(5, 4)}
         )
+
+
+# ----------------------------------------------------------------------------- sibling patterns, names, opaque ops
+
+
+def _square_fwd(x):
+    return x * x, (x,)
+
+
+def _square_bwd(res, dy):
+    return (2 * res[0] * dy,)
+
+
+def _sine_fwd(x):
+    return torch.sin(x), (x,)
+
+
+def _sine_bwd(res, dy):
+    return (torch.cos(res[0]) * dy,)
+
+
+square = functe.custom_vjp("square", _square_fwd, _square_bwd)
+sine = functe.custom_vjp("sine", _sine_fwd, _sine_bwd)
+
+
+def _square_sine_add_fwd(x, y):
+    # residuals in the pattern's order: square's, sine's, then add_extra_input's
+    return x * x + torch.sin(y), ((x,), (y,), None)
+
+
+def _square_sine_add_bwd(res, dy):
+    (x,), (y,), _ = res
+    return 2 * x * dy, torch.cos(y) * dy
+
+
+square_sine_add = functe.custom_vjp("square_sine_add", _square_sine_add_fwd, _square_sine_add_bwd)
+SQUARE_SINE_ADD = Rule(
+    "square_sine_add",
+    "forward",
+    Pattern(_core._add_extra_input, Pattern(square, "x"), Pattern(sine, "y")),
+    lambda m: m.fuse(square_sine_add, [m["x"], m["y"]]),
+)
+
+
+def _square_first(x, y):
+    s = square(x)
+    return s + sine(y)
+
+
+def _sine_first(x, y):
+    t = sine(y)  # (the same program, the other statement order)
+    return square(x) + t
+
+
+@pytest.mark.parametrize("program", [_square_first, _sine_first])
+def test_a_fusion_of_sibling_patterns_gets_its_residuals_in_pattern_order(program):
+    # The covered ops (hence the residuals a forward fusion returns) were ordered as the program
+    # ran them: a program computing sine(y) first got swapped residuals and wrong gradients, and
+    # check, which runs the pattern's order, passed.
+    check(SQUARE_SINE_ADD, {"x": torch.empty(3, 4), "y": torch.empty(3, 4)})
+    fused = functe.fuse(program, rules=RuleSet([SQUARE_SINE_ADD]))
+    x, y = make((3, 4), F64), make((3, 4), F64)
+    assert fused.plan(x, y).stats["forward"].fired == {"square_sine_add": 1}
+    assert_matches_float64(fused, lambda x, y: x * x + torch.sin(y), [x, y])
+
+
+def test_a_pattern_with_a_repeated_node_name_is_refused():
+    # m.eqn("sq") silently returned the last node of that name (check's static= too)
+    with pytest.raises(functe.RuleError, match=r"pattern node names must be unique .* got 'sq' more than once"):
+        Rule(
+            "twice",
+            "forward",
+            Pattern(_core._add_extra_input, Pattern(square, "x", name="sq"), Pattern(square, "y", name="sq")),
+            lambda m: None,
+        )
+
+
+def test_check_with_fn_refuses_a_dict_of_arguments():
+    # fn(*dict) passed the capture names to the user's ops (a TypeError from inside them)
+    with pytest.raises(functe.ArgumentError, match=r"with fn, example_args must be a tuple or list"):
+        check(SQUARE_SINE_ADD, {"x": torch.empty(3, 4), "y": torch.empty(3, 4)}, fn=_square_first)
+
+
+def test_a_forward_fusion_over_an_opaque_op_passes_the_residual_check():
+    # an opaque op's residuals hold its generator state, a fresh RandomState per run, equal to no
+    # other: the rewrite-time residual check refused every forward fusion over one
+    opaque_tanh = functe.opaque(torch.tanh)
+
+    def fwd(x, r):
+        out, res = opaque_tanh.fwd(x)
+        return out + r, (res, None)
+
+    def bwd(res, dy):
+        (dx,) = opaque_tanh.bwd(res[0], dy)
+        return dx, dy
+
+    tanh_add = functe.custom_vjp("tanh_add", fwd, bwd)
+    rule = Rule(
+        "tanh_add",
+        "forward",
+        Pattern(_core._add_extra_input, Pattern(opaque_tanh, "x"), "r"),
+        lambda m: m.fuse(tanh_add, [m["x"], m["r"]]),
+    )
+    fused = functe.fuse(lambda x, r: opaque_tanh(x) + r, rules=RuleSet([rule]))
+    x, r = make((3, 4), F64), make((3, 4), F64)
+    assert fused.plan(x, r).stats["forward"].fired == {"tanh_add": 1}
+    assert_matches_float64(fused, lambda x, r: torch.tanh(x) + r, [x, r])
+
+
+def test_explain_drops_a_decline_where_the_rule_then_fired():
+    # a commutative pattern's first input order declined (two consumers), the swapped one fired:
+    # explain listed the rule as both declined and fired at the same place
+    square_add = functe.custom_vjp(
+        "square_add", lambda x, r: (torch.addcmul(r, x, x), ((x,), None)), lambda res, dy: (2 * res[0][0] * dy, dy)
+    )
+    rule = Rule(
+        "square_add",
+        "forward",
+        Pattern(_core._add_extra_input, Pattern(square, "x"), "r", commutative=True),
+        lambda m: m.fuse(square_add, [m["x"], m["r"]]),
+    )
+
+    def program(x, y):
+        s, u = square(x), square(y)
+        return s + u, s
+
+    fused = functe.fuse(program, rules=RuleSet([rule]))
+    x, y = make((3, 4), F64), make((3, 4), F64)
+    plan = fused.plan(x, y)
+    assert plan.stats["forward"].fired == {"square_add": 1}
+    assert plan.stats["forward"].declined == []
+    assert_matches_float64(fused, lambda x, y: (x * x + y * y, x * x), [x, y])
+
+
+def test_a_user_op_given_shapes_that_do_not_fit_is_named_without_torchs_meta_log(capfd):
+    # torch's fake-tensor logger printed ~70 lines of traceback before the error, which asked only
+    # whether the op was data-dependent
+    add_squared = functe.custom_vjp(
+        "add_squared", lambda x, r: (torch.addcmul(r, x, x), (x,)), lambda res, dy: (2 * res[0] * dy, dy)
+    )
+    with pytest.raises(functe.TraceError, match=r"add_squared .* do its inputs \(f32\[3,4\], f32\[3,5\]\) fit"):
+        functe.fuse(lambda x, r: add_squared(x, r))(torch.ones(3, 4), torch.ones(3, 5))
+    assert "failed while attempting to run meta" not in capfd.readouterr().err

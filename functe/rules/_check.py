@@ -108,6 +108,12 @@ def check(
             )
         program, call = _pattern_program(rule.pattern, static or {}), (lambda f, a: f(**a))
     else:
+        if not isinstance(example_args, (tuple, list)):
+            # (a dict was unpacked as fn(*dict): the op received the capture names as its arguments)
+            raise ArgumentError(
+                "functe.rules.check: with fn, example_args must be a tuple or list of fn's positional arguments "
+                f"(called as fn(*example_args)), got {describe(example_args)}"
+            )
         program, call = fn, (lambda f, a: f(*a))
     gen = torch.Generator().manual_seed(seed)
     args = _redraw(example_args, gen)

@@ -22,7 +22,9 @@ A :class:`Rule` couples a pattern with a phase, an optional ``condition``
 
 * ``"forward"``: the fused op's forward rule replaces the covered ops'
   forwards and must return ``(out, (res_1, ..., res_k))``: exactly the
-  residuals the covered ops' own forward rules return, in program order, so
+  residuals the covered ops' own forward rules return, in pattern order (a
+  node's nested inputs, as the pattern lists them, before the node: for a
+  chain, program order), so
   that the unfused (or separately fused) backward can consume them;
 * ``"backward"``: the fused op's backward rule replaces the covered ops'
   backwards; it receives ``(res_1, ..., res_k)`` as the covered forwards made them;
@@ -48,6 +50,7 @@ import torch
 from .._errors import FuncteError, RuleError, TraceError, describe
 from .._oplist import Atom, Eqn, Literal, OpList, Var, check_oplist, is_none, toposort
 from .._pickling import global_name, named
+from .._rng import RandomState
 from .._trace import forward_on_meta
 from .._tree import tree_flatten, tree_unflatten
 from .._vjp import CustomVJP
@@ -127,7 +130,9 @@ class Match:
     ``m["x"]`` is the atom captured as ``"x"``; ``m.eqn("lin")`` the equation
     captured by the pattern node named ``"lin"``; ``m.edge("lin")`` which of its
     outputs feeds its consumer. ``covered`` lists the matched equations in
-    program order and ``outputs`` their outputs used outside the match (the
+    pattern order (post-order: a node's nested inputs, as the pattern lists them,
+    before the node; for a chain, program order) and ``outputs`` their outputs
+    used outside the match, in that order (the
     fused equation must define all of them). ``recipe`` is the executor's recipe.
 
     Example:
@@ -241,6 +246,14 @@ class Rule:
                 f"functe.rules: rule {self.name}: rewrite must be a function and condition a function or None, "
                 f"got {describe(self.rewrite)} and {describe(self.condition)}"
             )
+        names = [node.name for node in _nodes(self.pattern) if node.name]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            # (m.eqn / m.params and check's static= are keyed by node name: the last node silently won)
+            raise RuleError(
+                f"functe.rules: rule {self.name}: pattern node names must be unique (m.eqn(name) picks one "
+                f"equation), got {', '.join(map(repr, repeated))} more than once"
+            )
         frame = sys._getframe(2)
         if not self.location:
             object.__setattr__(self, "location", f"{frame.f_code.co_filename}:{frame.f_lineno}")
@@ -348,6 +361,7 @@ class _State:
     edges: dict
     covered: tuple
     violations: tuple
+    nodes: tuple = ()  # the pattern node each covered equation matched, parallel to covered
 
 
 def _ops_match(pattern: Pattern, eqn: Eqn) -> bool:
@@ -362,7 +376,7 @@ def _match(pattern: Pattern, eqn: Eqn, state: _State, g: _Graph) -> Iterator[_St
     eqns = dict(state.eqns)
     if pattern.name:
         eqns[pattern.name] = eqn
-    state = _State(state.captures, eqns, state.edges, (*state.covered, eqn), state.violations)
+    state = _State(state.captures, eqns, state.edges, (*state.covered, eqn), state.violations, (*state.nodes, pattern))
     orders = [pattern.inputs]
     if pattern.commutative and len(pattern.inputs) >= 2:
         orders.append((pattern.inputs[1], pattern.inputs[0], *pattern.inputs[2:]))
@@ -392,7 +406,7 @@ def _match_inputs(pats, atoms, state: _State, g: _Graph) -> Iterator[_State]:
         else:
             captures = {**state.captures, p: a}
             yield from _match_inputs(
-                *rest, _State(captures, state.eqns, state.edges, state.covered, state.violations), g
+                *rest, _State(captures, state.eqns, state.edges, state.covered, state.violations, state.nodes), g
             )
     elif isinstance(a, Var) and a in g.producers:
         producer, k = g.producers[a]
@@ -403,9 +417,36 @@ def _match_inputs(pats, atoms, state: _State, g: _Graph) -> Iterator[_State]:
         if uses != 1 and not p.shared:
             violations = (*violations, f"the output {a.aval} of {producer.name} has {uses} consumers")
         edges = {**state.edges, p.name: k} if p.name else state.edges
-        state = _State(state.captures, state.eqns, edges, state.covered, violations)
+        state = _State(state.captures, state.eqns, edges, state.covered, violations, state.nodes)
         for s in _match(p, producer, state, g):
             yield from _match_inputs(*rest, s, g)
+
+
+def _nodes(pattern: Pattern) -> list[Pattern]:
+    """Every node of ``pattern``, the root first."""
+    found = [pattern]
+    for i in pattern.inputs:
+        if isinstance(i, Pattern):
+            found += _nodes(i)
+    return found
+
+
+def _post_order(pattern: Pattern) -> dict[int, int]:
+    """Each node of ``pattern`` (by identity) -> its index in post-order: a node's nested inputs, as
+    the pattern lists them, before the node. The order of a match's covered equations, hence of a
+    forward fusion's residuals: for a chain it is program order; for sibling inputs it is fixed by
+    the pattern, where program order depended on how the caller wrote the program (the fused op
+    could not know which residual was which: silently swapped gradients)."""
+    order: dict[int, int] = {}
+
+    def visit(node: Pattern) -> None:
+        for i in node.inputs:
+            if isinstance(i, Pattern):
+                visit(i)
+        order[id(node)] = len(order)
+
+    visit(pattern)
+    return order
 
 
 def _external_outputs(covered: Sequence[Eqn], g: _Graph) -> tuple[Var, ...]:
@@ -496,9 +537,9 @@ class _Rewriter:
         self.max_rewrites = max_rewrites
         self.stats = RewriteStats()
         self._declined: set[tuple[str, int, str]] = set()
+        self._declined_at: dict[tuple[str, int], list[tuple[str, str, str]]] = {}
 
     def run(self, oplist: OpList) -> OpList:
-        self.rank = {o: i for i, o in enumerate(o for e in oplist.eqns for o in e.originals)}
         count = 0
         changed = True
         while changed:
@@ -520,7 +561,16 @@ class _Rewriter:
         key = (rule.name, id(root), reason)
         if key not in self._declined:
             self._declined.add(key)
-            self.stats.declined.append((rule.name, _location(root), reason))
+            entry = (rule.name, _location(root), reason)
+            self.stats.declined.append(entry)
+            self._declined_at.setdefault((rule.name, id(root)), []).append(entry)
+
+    def _fired(self, rule: Rule, root: Eqn) -> None:
+        """Forget the rule's declines at ``root``: it fired there after all (another input order of a
+        commutative pattern, or a match another rewrite made possible), and explain listed both."""
+        entries = self._declined_at.pop((rule.name, id(root)), ())
+        if entries:  # (by identity: another root's decline may read the same)
+            self.stats.declined[:] = [d for d in self.stats.declined if not any(d is e for e in entries)]
 
     def _apply_once(self, rule: Rule, oplist: OpList) -> OpList | None:
         g = _Graph(oplist)
@@ -534,12 +584,15 @@ class _Rewriter:
                     continue
                 new = self._try(rule, root, state, g)
                 if new is not None:
+                    self._fired(rule, root)
                     return new
         return None
 
     def _try(self, rule: Rule, root: Eqn, state: _State, g: _Graph) -> OpList | None:
         position = {e: i for i, e in enumerate(g.oplist.eqns)}
-        covered = tuple(sorted(state.covered, key=position.__getitem__))
+        node_order = _post_order(rule.pattern)
+        in_pattern = {e: node_order[id(node)] for e, node in zip(state.covered, state.nodes)}
+        covered = tuple(sorted(state.covered, key=in_pattern.__getitem__))
         m = Match(rule, state.captures, state.eqns, state.edges, covered, _external_outputs(covered, g), self.recipe)
         reason = _user_call(rule, "condition", root, rule.condition, m) if rule.condition is not None else None
         if reason is not None:
@@ -561,7 +614,8 @@ class _Rewriter:
                 f"functe.rules: rule {rule.name}: the fused equation must define every output used outside the match; "
                 f"missing {missing}"
             )
-        originals = sorted({o for e in covered for o in e.originals}, key=self.rank.__getitem__)
+        # (a covered equation fused earlier brings its own covers, in their order)
+        originals = list(dict.fromkeys(o for e in covered for o in e.originals))
         fused = fused.replace(covers=tuple(originals), phase=rule.phase)
         _check_fused(rule, fused)
         rest = [e for e in g.oplist.eqns if e not in covered]
@@ -610,11 +664,13 @@ def _check_fused(rule: Rule, fused: Eqn) -> None:
         ) from e
     leaves, tree = tree_flatten(out)
     got = [None if leaf is None else (tuple(leaf.shape), leaf.dtype) for leaf in leaves]
-    want = [None if v is None else (v.shape, v.dtype) for v in fused.outputs]
+    want = [None if v is None else (tuple(v.shape), v.dtype) for v in fused.outputs]
     if got != want or tree != fused.out_tree:
+        shown_got = ", ".join("None" if leaf is None else describe(leaf) for leaf in leaves)
+        shown_want = ", ".join("None" if v is None else v.aval for v in fused.outputs)
         raise TraceError(
-            f"functe.rules: rule {rule.name}: the fused op {fused.name} returns {got} with structure {tree}, "
-            f"but the equation declares {want} with structure {fused.out_tree}"
+            f"functe.rules: rule {rule.name}: the fused op {fused.name} returns ({shown_got}) with structure "
+            f"{tree}, but the equation declares ({shown_want}) with structure {fused.out_tree}"
         )
     if rule.phase == "forward" and not (isinstance(res, tuple) and len(res) == len(fused.covers)):
         raise TraceError(
@@ -636,7 +692,12 @@ def _check_fused(rule: Rule, fused: Eqn) -> None:
 
 def _residual_layout(res) -> tuple:
     leaves, tree = tree_flatten(res)
-    return tree, [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves]
+    # (an opaque op's generator state is a fresh RandomState per run, equal to no other: compared
+    # by type, a forward fusion over an opaque op could never pass)
+    return tree, [
+        (t.shape, t.dtype) if isinstance(t, torch.Tensor) else RandomState if isinstance(t, RandomState) else t
+        for t in leaves
+    ]
 
 
 def _residual_text(res) -> str:
