@@ -1066,8 +1066,7 @@ class Fused:
             if plan.checks_captured and torch.is_grad_enabled():
                 plan.check_captured(None)
             return plan.infer(*tensors)
-        index, tensors = self._lookup(args, kwargs)
-        plan = self._plans[index]
+        _, plan, tensors = self._lookup(args, kwargs)
         if plan.unbatchable is not None and batched(tensors):
             raise TransformError(
                 f"functe.fuse({self.__name__}): its op {plan.unbatchable} has no batching rule "
@@ -1103,11 +1102,12 @@ class Fused:
             raise called_as(error, f"functe.fuse({self.__name__})") from None
 
     def _plan_and_tensors(self, args, kwargs) -> tuple[Plan, list[Tensor]]:
-        index, tensors = self._lookup(args, kwargs)
-        return self._plans[index], tensors
+        _, plan, tensors = self._lookup(args, kwargs)
+        return plan, tensors
 
-    def _lookup(self, args, kwargs) -> tuple[int, list[Tensor]]:
-        """The plan index for these arguments (tracing on a new signature) and their tensor leaves."""
+    def _lookup(self, args, kwargs) -> tuple[int, Plan, list[Tensor]]:
+        """The plan index and plan for these arguments (tracing on a new signature) and their tensor
+        leaves. (The plan itself, not only its index: a fake call's slot may be replaced meanwhile.)"""
         leaves, spec = tree_flatten((args, kwargs))
         # (optree's spec equality ignores dict insertion order and 1 == 1.0 == True keys; fn may not)
         tensors, key = [], [spec, _dict_keys((args, kwargs))]
@@ -1142,20 +1142,31 @@ class Fused:
                     "is planned per concrete shape; trace it with concrete shapes, or use the unfused ops"
                 ) from None
             raise _unhashable_error(self, leaves, spec) from None
+        if fake is not None:
+            with _trace.TRACE_LOCK:  # (the slot is shared: another thread's fake call may replace it)
+                return (*self._fake_plan(key, leaves, args, kwargs), tensors)
+        if index is None:
+            index = self._new_plan(key, leaves, args, kwargs)
+        elif self._plans[index].watches and self._plans[index].stale():
+            index = self._new_plan(key, leaves, args, kwargs, stale=index)
+        return index, self._plans[index], tensors
+
+    def _fake_plan(self, key: tuple, leaves: list, args, kwargs) -> tuple[int, Plan]:
+        """The plan of a call under a FakeTensorMode (with ``TRACE_LOCK`` held). Fake calls share one
+        slot: a new signature or fake mode replaces the last plan (each fake mode's plan holds its
+        mode and fake constants: kept, every memory estimate or make_fx call leaked one, and counted
+        toward the retrace warning)."""
+        index = self._index.get(key)
         if index is None:
             slot = None
-            if fake is not None and self._fake_slot is not None:
-                # One plan for fake calls: a new signature or fake mode replaces the last one (each
-                # fake mode's plan holds its mode and fake constants: kept, every memory estimate
-                # or make_fx call leaked one, and counted toward the retrace warning)
+            if self._fake_slot is not None:
                 old_key, slot = self._fake_slot
                 self._index.pop(old_key, None)
             index = self._new_plan(key, leaves, args, kwargs, slot=slot)
-            if fake is not None:
-                self._fake_slot = (key, index)
+            self._fake_slot = (key, index)
         elif self._plans[index].watches and self._plans[index].stale():
             index = self._new_plan(key, leaves, args, kwargs, stale=index)
-        return index, tensors
+        return index, self._plans[index]
 
     def _new_plan(
         self, key: tuple, leaves: list, args, kwargs, stale: int | None = None, slot: int | None = None
@@ -1516,6 +1527,6 @@ def _compiled_plan_index(fused: Fused, key: Any, backend: str) -> tuple[int, tup
     args, kwargs = _rebuild(key)
     walked: list[Tensor] = []
     _constant_key((args, kwargs), walked)
-    index, tensors = fused._lookup(args, kwargs)
+    index, _, tensors = fused._lookup(args, kwargs)
     position = {id(t): i for i, t in enumerate(walked)}
     return index, tuple(position[id(t)] for t in tensors)

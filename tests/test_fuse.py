@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import threading
+import time
 import warnings
 import weakref
 
@@ -388,6 +389,34 @@ def test_fake_mode_plans_take_one_slot():
                 fused(mode.from_tensor(x), mode.from_tensor(w))
     assert len(fused._plans) == 2 and fused.trace_count == _fuse.RETRACE_WARNING + 3
     assert torch.equal(fused(x, w), expected) and fused.trace_count == _fuse.RETRACE_WARNING + 3
+
+
+def test_concurrent_fake_calls_keep_every_cached_key_on_its_own_plan():
+    # Two threads' fake calls read the shared fake slot before either set it: both keys ended on one
+    # index, one of them on the other signature's plan (traced for other shapes, under another mode)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fn(x):
+        if threading.current_thread().name == "slow":
+            time.sleep(0.5)  # (the first thread traces slowly: the second one looks up meanwhile)
+        return ops.gelu(x) * 2.0
+
+    fused = functe.fuse(fn)
+    with FakeTensorMode() as mode:
+        fused(mode.from_tensor(make((1, 8))))  # (fills the fake slot)
+
+    def call(rows, delay):
+        time.sleep(delay)
+        with FakeTensorMode() as mode:
+            fused(mode.from_tensor(make((rows, 8))))
+
+    threads = [threading.Thread(target=call, args=(2, 0.0), name="slow"), threading.Thread(target=call, args=(3, 0.1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key, index in fused._index.items():
+        assert [v.shape for v in fused._plans[index].program.inputs] == [key[2][0]], key
 
 
 def test_a_user_op_named_like_a_fused_plan_keeps_its_name_in_the_second_order_error():
