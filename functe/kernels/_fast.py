@@ -42,8 +42,8 @@ def eager_cpu(*tensors: Tensor | None) -> bool:
     """Whether a twin may take its CPU fast path for these arguments.
 
     True for plain CPU tensors (not fake, not ``torch.func`` wrappers or legacy-vmap batched tensors,
-    no forward-mode tangent) that
-    autograd does not record, outside ``torch.compile`` and outside a tracing dispatch mode.
+    no forward-mode tangent) that autograd does not record, outside ``torch.compile`` and outside a
+    tracing dispatch mode.
     """
     # (a tracing dispatch mode records what runs: make_fx, and torch.func.linearize through it,
     # traced the fast path's out= writes into scratch buffers, and its constant folding moved reads
