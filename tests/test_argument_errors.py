@@ -815,3 +815,16 @@ def test_kernel_level_calls_with_shapes_the_kernels_would_read_past_are_refused(
     call, message = _kernel_level_misuse()[case]
     with functe.use_backend("interpret"), pytest.raises(functe.ShapeError, match=message):
         call()
+
+
+@pytest.mark.parametrize("on", ["launcher", "twin"])
+def test_kernel_level_random_kernels_refuse_a_32_bit_seed(on):
+    # the kernels read 64-bit seeds: an int32 one crashed the interpreter (the ops pass int64)
+    from functe.kernels.dropout import DROPOUT
+    from functe.kernels.hadamard import RHT16
+
+    seed = torch.tensor(1, dtype=torch.int32)
+    calls = [(DROPOUT, (torch.ones(3, 5), seed, 0.5)), (RHT16, (torch.ones(2, 16), seed, False, torch.float32))]
+    for kernel, args in calls:
+        with functe.use_backend("interpret"), pytest.raises(functe.DTypeError, match=r"'seed' expected an i64 tensor"):
+            getattr(kernel, on)(*args)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._errors import describe, shape_error
+from .._errors import describe, dtype_error, shape_error
 from .._kernel import Kernel, Rowwise
 from . import _fast
 from ._common import compute_dtype, tl_compute_dtype
@@ -139,11 +139,19 @@ def _dropout_kernel(
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
+def check_seed_dtype(op: str, seed: Tensor) -> None:
+    """An int64 seed tensor (the kernels read 64-bit seeds: an int32 one crashed the interpreter and
+    read past it on a GPU; the ops pass int64)."""
+    if seed.dtype != torch.int64:
+        raise dtype_error(op, "seed", "an i64 tensor", seed)
+
+
 def dropout(x: Tensor, seed: Tensor, p: float) -> Tensor:
     """``x`` with elements dropped with probability ``p`` and the rest scaled by 1/(1 − p).
 
     ``seed`` is an int64 tensor of shape ``x.shape[:seed.dim()]`` (one seed per group).
     """
+    check_seed_dtype("dropout", seed)
     if seed.shape != x.shape[: seed.dim()]:  # (groups split x by seed.numel(): a rest went unwritten)
         raise shape_error(
             "dropout", "seed", f"an i64 tensor of shape x.shape[:{seed.dim()}]", seed, f"x is {describe(x)}"
@@ -255,6 +263,7 @@ def _dropout_fast(x: Tensor, seed: Tensor, p: float) -> Tensor:
 
 def dropout_ref(x: Tensor, seed: Tensor, p: float) -> Tensor:
     """PyTorch twin of :func:`dropout` (the same mask, bit for bit)."""
+    check_seed_dtype("dropout", seed)
     if eager_cpu(x, seed):
         return _dropout_fast(x, seed, p)
     acc = compute_dtype(x.dtype)

@@ -29,7 +29,7 @@ from .._errors import describe_shape, shape_error
 from .._kernel import Kernel
 from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import jit
-from .dropout import _i32, _keys, _mix_, key_int, mix, mix_int, mix_torch, seed_key
+from .dropout import _i32, _keys, _mix_, check_seed_dtype, key_int, mix, mix_int, mix_torch, seed_key
 
 Tensor = torch.Tensor
 
@@ -143,6 +143,7 @@ def rht16(x: Tensor, seed: Tensor, inverse: bool, out_dtype: torch.dtype) -> Ten
     The last dim must be a multiple of 16; computed in fp32 (fp64 for fp64 inputs), stored in
     ``out_dtype``.
     """
+    check_seed_dtype("rht16", seed)
     if x.dim() == 0 or x.shape[-1] % RHT_SIZE:  # (the kernel reads rows of 16: it mixed rows otherwise)
         raise shape_error("rht16", "x", describe_shape(x.dtype, (Ellipsis, "16k")), x, "groups of 16 values")
     rows = as_rows(x) if x.numel() else x.reshape(0, RHT_SIZE)
@@ -173,6 +174,7 @@ def walsh_hadamard16_ref(x: Tensor) -> Tensor:
 
 def rht16_ref(x: Tensor, seed: Tensor, inverse: bool, out_dtype: torch.dtype) -> Tensor:
     """PyTorch twin of :func:`rht16`."""
+    check_seed_dtype("rht16", seed)
     blocks = x.to(compute_dtype(x.dtype)).reshape(*x.shape[:-1], x.shape[-1] // RHT_SIZE, RHT_SIZE)
     s = rht_signs(seed).to(blocks.dtype)
     y = walsh_hadamard16_ref(blocks) * s * 0.25 if inverse else walsh_hadamard16_ref(blocks * s) * 0.25
