@@ -299,7 +299,7 @@ def _check_launch(kind: str, x: Tensor, members: int | None = None, **others: Te
     for arg, t in others.items():
         if t is None:
             continue
-        expected = x.shape if arg not in ("weight", "bias") else x.shape[-1:]
+        expected = x.shape[-1:] if arg in ("weight", "bias") else x.shape
         if members is not None and arg == "weight" and t.dim() == 2:
             expected = (members, x.shape[-1])
         if t.shape != expected:
@@ -328,7 +328,7 @@ def check_norm_params(kind: str, x: Tensor, weight: Tensor | None, bias: Tensor 
 
 def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, zero_centered: bool):
     """``y``, or for LayerNorm ``(y, mean, rstd)`` (statistics of shape ``x.shape[:-1]``, compute dtype)."""
-    _check_launch(kind, x, weight=w, bias=b)
+    check_norm_params(kind, x, w, b)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     # Results in their own shapes (contiguous, so the kernel's row-major indexing holds): views
@@ -381,11 +381,10 @@ def _bwd(
     :func:`layer_norm_bwd_members`): dγ and dβ are ``[M, N]``, one reduction per member, tiled and
     partitioned exactly as a call on that member alone; γ is ``[N]`` or ``[M, N]``.
     """
-    count_members = x.shape[0] if members else None
-    _check_launch(kind, x, count_members, dy=dy, weight=w, accum=accum)
+    m = x.shape[0] if members else 1
+    _check_launch(kind, x, m if members else None, dy=dy, weight=w, accum=accum)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
-    m = count_members if members else 1
     reduced = (m, n_cols) if members else (n_cols,)
     acc = compute_dtype(x.dtype)
     dx = torch.empty_like(rows)
@@ -698,9 +697,8 @@ def rms_norm_bwd_ref(
     if eager_cpu(dy, x, weight):
         dx, dw = _rms_bwd_fast(dy, x, _gamma(weight, zero_centered_gamma, acc), eps, "rms")
         return dx, dw.to(weight.dtype)
-    dy_a = dy.to(acc)
-    dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "rms")
-    return dx.to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype)
+    dx, dw = _rms_grads(dy, x, weight, eps, zero_centered_gamma)
+    return dx.to(x.dtype), dw
 
 
 def rms_norm_bwd_add_ref(
@@ -711,23 +709,24 @@ def rms_norm_bwd_add_ref(
     if eager_cpu(dy, x, weight, accum):
         dx, dw = _rms_bwd_fast(dy, x, _gamma(weight, zero_centered_gamma, acc), eps, "rms", accum)
         return dx, dw.to(weight.dtype)
-    dy_a = dy.to(acc)
-    dx, xhat = _grads(dy_a, x.to(acc), _gamma(weight, zero_centered_gamma, acc), eps, "rms")
-    return (dx + accum.to(acc)).to(x.dtype), _column_sums(dy_a * xhat).to(weight.dtype)
+    dx, dw = _rms_grads(dy, x, weight, eps, zero_centered_gamma)
+    return (dx + accum.to(dx.dtype)).to(x.dtype), dw
 
 
-def _rms_member_grads(dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered: bool):
+def _rms_grads(dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered: bool, members: bool = False):
+    """``(dx in the compute dtype, dγ in γ's dtype)`` of RMSNorm (the reference path); ``members``: dγ
+    per member of x's dimension 0 (see :func:`layer_norm_bwd_members`)."""
     acc = compute_dtype(x.dtype)
     dy_a = dy.to(acc)
     dx, xhat = _grads(dy_a, x.to(acc), _member_gamma(weight, x, zero_centered, acc), eps, "rms")
-    return dx, _member_sums(dy_a * xhat).to(weight.dtype)
+    return dx, (_member_sums if members else _column_sums)(dy_a * xhat).to(weight.dtype)
 
 
 def rms_norm_bwd_members_ref(
     dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`rms_norm_bwd_members`."""
-    dx, dw = _rms_member_grads(dy, x, weight, eps, zero_centered_gamma)
+    dx, dw = _rms_grads(dy, x, weight, eps, zero_centered_gamma, members=True)
     return dx.to(x.dtype), dw
 
 
@@ -735,7 +734,7 @@ def rms_norm_bwd_add_members_ref(
     dy: Tensor, x: Tensor, weight: Tensor, accum: Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor]:
     """PyTorch twin of :func:`rms_norm_bwd_add_members`."""
-    dx, dw = _rms_member_grads(dy, x, weight, eps, zero_centered_gamma)
+    dx, dw = _rms_grads(dy, x, weight, eps, zero_centered_gamma, members=True)
     return (dx + accum.to(dx.dtype)).to(x.dtype), dw
 
 
