@@ -69,6 +69,7 @@ from ._vjp import (
     check_gradients,
     cotangent_count_error,
     custom_vjp,
+    first_order_only,
     higher_order_anchor,
     input_labels,
     positional_names,
@@ -763,7 +764,8 @@ class _Variant:
         if plan._opaque_eqns:
             forward, bwd = _replaying(forward, bwd)
         forward.input_labels = plan.input_labels  # (read by custom_vjp's gradient check)
-        forward.second_order = second_order = _second_order(plan.name)  # (read by custom_vjp's guard)
+        second_order = _second_order(plan.name)
+        first_order_only(forward, *second_order)  # (what custom_vjp's guard says; the eager node's below)
         # The plan's literal tensors (a captured frozen weight, a seed): plain tensors no input reaches
         # (see _trace._untracked_constant), so a backward that keeps one has an exact second order.
         literals = tuple(v for v in namespace.values() if isinstance(v, Tensor))

@@ -596,14 +596,24 @@ QUANTIZED_FIRST_ORDER = (
     "straight-through, to first order only"
 )
 
-SECOND_ORDER_REASONS: dict[str, str] = {}
-"""Why an op's backward is first-order only, by op name, where it is not the generic reason (the
-quantizing linears register :data:`QUANTIZED_FIRST_ORDER`)."""
+
+def first_order_only(fwd: Callable, subject: str, reason: str) -> Callable:
+    """``fwd``, marked with what a second-order error through its op says (``subject: ... not
+    supported: reason``), for an op that knows better than the generic reason (a quantizing linear,
+    a fused plan). Set before ``custom_vjp`` wraps ``fwd`` (the wrapper copies the mark); read by
+    the guard through :func:`second_order_subject`."""
+    fwd.second_order = (subject, reason)
+    return fwd
+
+
+def quantized_first_order(fwd: Callable, op: str) -> Callable:
+    """:func:`first_order_only` for the quantizing op ``op`` (its cast has no derivative)."""
+    return first_order_only(fwd, f"functe.{op}", QUANTIZED_FIRST_ORDER)
 
 
 def second_order_subject(fwd: Callable, name: str) -> str | tuple[str, str]:
-    """What a guarded backward's error names: ``fwd.second_order`` (``(who, why)``, set by whoever
-    made the op and knows better: a fused plan) or the op's ``name``."""
+    """What a guarded backward's error names: the mark :func:`first_order_only` left on ``fwd``, or
+    the op's ``name``."""
     return getattr(fwd, "second_order", name)
 
 
@@ -611,9 +621,6 @@ def _second_order_subject(name: str | tuple[str, str]) -> tuple[str, str]:
     """``(who, why and what to do)`` for the error of a guarded backward (see :func:`second_order_subject`)."""
     if isinstance(name, tuple):
         return name
-    reason = SECOND_ORDER_REASONS.get(name)
-    if reason is not None:
-        return f"functe.{name}", reason
     return (
         f"functe.{name}",
         "its backward rule uses intermediate results of the forward pass, whose dependence on the inputs "

@@ -30,7 +30,7 @@ from .._errors import ArgumentError
 from .._fp8_gemm import gemm_nt
 from .._recipe import NVFP4BlockScaling
 from .._seed import seed_tensor
-from .._vjp import QUANTIZED_FIRST_ORDER, SECOND_ORDER_REASONS, custom_vjp
+from .._vjp import custom_vjp, quantized_first_order
 from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 
@@ -98,7 +98,9 @@ def _prune(res, *, recipe, needs_input_grad):
     return (x if want_dw else None, *kept_w, seed, has_bias)
 
 
-_block_linear = custom_vjp("block_linear", _fwd, _bwd, needs_input_grad=True, prune_residuals=_prune)
+_block_linear = custom_vjp(
+    "block_linear", quantized_first_order(_fwd, "block_linear"), _bwd, needs_input_grad=True, prune_residuals=_prune
+)
 
 
 def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, recipe: BlockRecipe, seed) -> Tensor:
@@ -114,6 +116,3 @@ def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, recipe: Bloc
     else:
         seed = None  # deterministic recipe: nothing to draw
     return _block_linear(x, weight, bias, seed, recipe=recipe)
-
-
-SECOND_ORDER_REASONS["block_linear"] = QUANTIZED_FIRST_ORDER  # (what the second-order error says)

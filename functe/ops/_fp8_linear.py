@@ -44,7 +44,7 @@ from .._parallel import (
 from .._quantize import QUANTIZABLE, cast, cast_dbias
 from .._recipe import BLOCK_RECIPES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .._seed import seed_tensor
-from .._vjp import QUANTIZED_FIRST_ORDER, SECOND_ORDER_REASONS, custom_vjp
+from .._vjp import custom_vjp, quantized_first_order
 from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST
@@ -253,7 +253,9 @@ def _prune(res, *, recipe, parallel=None, needs_input_grad):
     )
 
 
-_fp8_linear = custom_vjp("fp8_linear", _fwd, _bwd, needs_input_grad=True, prune_residuals=_prune)
+_fp8_linear = custom_vjp(
+    "fp8_linear", quantized_first_order(_fwd, "fp8_linear"), _bwd, needs_input_grad=True, prune_residuals=_prune
+)
 
 
 def fp8_linear(
@@ -348,6 +350,3 @@ def fp8_linear(
     if parallel is None:
         return _fp8_linear(x, weight, bias, state, recipe=recipe)
     return _fp8_linear(x, weight, bias, state, recipe=recipe, parallel=parallel)
-
-
-SECOND_ORDER_REASONS["fp8_linear"] = QUANTIZED_FIRST_ORDER  # (what the second-order error says)

@@ -31,7 +31,7 @@ import functools
 import torch
 
 from .._block_quantize import cast_act_block_keep, cast_norm_block, operand_dtype
-from .._vjp import QUANTIZED_FIRST_ORDER, SECOND_ORDER_REASONS, custom_vjp
+from .._vjp import custom_vjp, quantized_first_order
 from ..kernels._common import rows_view
 from . import _block_linear as block
 from ._fused import q_in_activation_backward, q_in_norm_backward
@@ -58,7 +58,7 @@ def _forward_norm_block_linear_fwd(
 # (backward: block_linear's rule, its wgrad copy from the saved norm output, then the norm's)
 forward_norm_block_linear = custom_vjp(
     "forward_norm_block_linear",
-    _forward_norm_block_linear_fwd,
+    quantized_first_order(_forward_norm_block_linear_fwd, "forward_norm_block_linear"),
     functools.partial(q_in_norm_backward, block._block_linear),
 )
 """``block_linear(norm(x, norm_weight[, norm_bias]), weight, bias, seed)`` with the norm's output
@@ -80,7 +80,7 @@ def _forward_activation_block_linear_fwd(x, weight, bias, seed, *, name, limit, 
 
 forward_activation_block_linear = custom_vjp(
     "forward_activation_block_linear",
-    _forward_activation_block_linear_fwd,
+    quantized_first_order(_forward_activation_block_linear_fwd, "forward_activation_block_linear"),
     functools.partial(q_in_activation_backward, block._block_linear),
 )
 """``block_linear(act(x), weight, bias, seed)`` with the activation's output block-quantized in the
@@ -88,6 +88,3 @@ activation kernel (q-in; elementwise, gated and clamped activations, chunked lay
 ``activation, block_linear``."""
 
 __all__ = ["forward_activation_block_linear", "forward_norm_block_linear"]
-
-for _name in ("forward_norm_block_linear", "forward_activation_block_linear"):
-    SECOND_ORDER_REASONS[_name] = QUANTIZED_FIRST_ORDER  # (what the second-order error says)

@@ -36,7 +36,7 @@ from .._errors import RecipeError
 from .._fp8_gemm import native_ok
 from .._quantize import cast_act_output, cast_dact_output_dbias, cast_norm
 from .._recipe import DelayedScaling, MXFP8BlockScaling
-from .._vjp import QUANTIZED_FIRST_ORDER, SECOND_ORDER_REASONS, custom_vjp
+from .._vjp import custom_vjp, quantized_first_order
 from ..kernels._common import rows_view
 from . import _activation as act
 from . import _fp8_linear as fp8
@@ -82,7 +82,7 @@ def _forward_norm_fp8_linear_fwd(
 # (backward: fp8_linear's rule, then the norm's)
 forward_norm_fp8_linear = custom_vjp(
     "forward_norm_fp8_linear",
-    _forward_norm_fp8_linear_fwd,
+    quantized_first_order(_forward_norm_fp8_linear_fwd, "forward_norm_fp8_linear"),
     functools.partial(q_in_norm_backward, fp8._fp8_linear),
 )
 """``fp8_linear(norm(x, norm_weight[, norm_bias]), weight, bias, state)`` with the norm's output
@@ -105,7 +105,7 @@ def _forward_activation_fp8_linear_fwd(x, weight, bias, state, *, name, limit, a
 
 forward_activation_fp8_linear = custom_vjp(
     "forward_activation_fp8_linear",
-    _forward_activation_fp8_linear_fwd,
+    quantized_first_order(_forward_activation_fp8_linear_fwd, "forward_activation_fp8_linear"),
     functools.partial(q_in_activation_backward, fp8._fp8_linear),
 )
 """``fp8_linear(act(x), weight, bias, state)`` with the activation's output quantized in the
@@ -142,7 +142,7 @@ def _backward_fp8_linear_activation_bwd(res, dy, *, activation, recipe, parallel
 
 backward_fp8_linear_activation = custom_vjp(
     "backward_fp8_linear_activation",
-    _backward_fp8_linear_activation_fwd,
+    quantized_first_order(_backward_fp8_linear_activation_fwd, "backward_fp8_linear_activation"),
     _backward_fp8_linear_activation_bwd,
     needs_input_grad=True,
     # (fp8_linear's pruning of its residuals, the first; the bias's and activation's are kept)
@@ -154,6 +154,3 @@ state in one pass, then dgrad and wgrad on the quantized ``g``. Covers ``fp8_lin
 activation``."""
 
 __all__ = ["backward_fp8_linear_activation", "forward_activation_fp8_linear", "forward_norm_fp8_linear"]
-
-for _name in ("forward_norm_fp8_linear", "forward_activation_fp8_linear", "backward_fp8_linear_activation"):
-    SECOND_ORDER_REASONS[_name] = QUANTIZED_FIRST_ORDER  # (what the second-order error says)
