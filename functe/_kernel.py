@@ -15,7 +15,8 @@ a backward rule under ``torch.func.grad``:
 * ``backward`` and ``jvp`` differentiate the *twin* with ``torch.func``, so a
   kernel used inside a backward rule has correct second derivatives;
 * ``vmap`` applies the kernel's batching rule: :class:`Rowwise` folds the
-  vmapped dimension into the kernel's leading (row) dimensions, :class:`Members`
+  vmapped dimension into the kernel's leading (row) dimensions (or, for a batched
+  parameter such as an ensemble's γ, runs its members kernel), :class:`Members`
   runs a variant kernel that keeps per-member reductions apart; anything else
   runs ``torch.vmap`` over the twin, which is always correct.
 
@@ -68,11 +69,13 @@ class Rowwise:
     weight, say). When only row arguments are batched, the vmapped dimension is
     moved in front and becomes one more leading dimension, and every output is
     batched along dimension 0. When a ``params`` argument is batched (an
-    ensemble of weights), the twin is vmapped instead.
+    ensemble of weights), ``members`` runs as for :class:`Members` (a kernel over a
+    leading member dimension, γ ``[M, N]``), or without one the twin is vmapped.
     """
 
-    def __init__(self, params: Sequence[int] = ()):
+    def __init__(self, params: Sequence[int] = (), members: Kernel | None = None):
         self.params = frozenset(params)
+        self.members = members
 
 
 class Members:
@@ -257,15 +260,15 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
 
     def vmap(info, in_dims, *args):
         rule = kernel.batch
-        if isinstance(rule, Members):
+        # (params beyond the passed arguments are defaulted, hence unbatched)
+        batched_params = rule is not None and any(d is not None for i, d in enumerate(in_dims) if i in rule.params)
+        if isinstance(rule, Members) or (batched_params and rule.members is not None):
             moved = [
                 a if i in rule.params and d is None else _to_front(a, d, info.batch_size)
                 for i, (a, d) in enumerate(zip(args, in_dims))
             ]
             out = rule.members(*moved)
             return out, tuple(0 for _ in out) if isinstance(out, tuple) else 0
-        # (params beyond the passed arguments are defaulted, hence unbatched)
-        batched_params = rule is not None and any(d is not None for i, d in enumerate(in_dims) if i in rule.params)
         if rule is None or batched_params:
             out = vmap_call(twin, tuple(in_dims), args)
         else:

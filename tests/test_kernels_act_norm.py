@@ -418,6 +418,80 @@ def test_norm_backward_members_kernel_rejects_a_weight_of_the_wrong_member_count
         nk.RMS_NORM_BWD_MEMBERS(dy, x, torch.ones(2, 8), 1e-5, False)
 
 
+# ----------------------------------------------------------------------------- the norm forward's batching rule
+
+# (members M, rows of one member, N, γ per member, β per member, x shared by every member): an empty
+# batch, one row per member, N = 1, 300 rows per member (two programs each), and one x broadcast to
+# every member (stride 0, read in place).
+_FORWARD_MEMBER_CASES = [
+    (3, (5,), 13, True, False, False),
+    (2, (), 37, True, True, False),
+    (0, (4,), 13, True, True, False),
+    (2, (2, 3), 1, False, True, False),
+    (2, (300,), 13, True, True, False),
+    (3, (2, 5), 13, True, False, True),
+]
+
+
+def _forward_members_args(kind, m, rows, n, w_per_member, b_per_member, shared_x, dtype):
+    x = make((*rows, n), dtype).expand(m, *rows, n) if shared_x else make((m, *rows, n), dtype)
+    w = make((m, n) if w_per_member else (n,), dtype)
+    if kind == "rms":
+        return (x, w, 1e-5, True)
+    return (x, w, make((m, n) if b_per_member else (n,), dtype), 1e-5, False)
+
+
+def _forward_members_reference(kind):
+    """Each member alone, in float64: ``y`` (and LayerNorm's mean and rstd)."""
+
+    def reference(x, w, *rest):
+        b = rest[0] if kind == "layer" else None
+        outs = []
+        for i in range(x.shape[0]):
+            wi = w if w.dim() == 1 else w[i]
+            if kind == "rms":
+                outs.append((rms_ref(x[i], wi, 1e-5, True),))
+                continue
+            bi = b if b.dim() == 1 else b[i]
+            mean = x[i].mean(-1)
+            rstd = ((x[i] - mean[..., None]) ** 2).mean(-1).add(1e-5).rsqrt()
+            outs.append((ln_ref(x[i], wi, bi, 1e-5, False), mean, rstd))
+        if not outs:
+            return (x.clone(), x.sum(-1), x.sum(-1)) if kind == "layer" else x.clone()
+        stacked = tuple(torch.stack(parts) for parts in zip(*outs))
+        return stacked if kind == "layer" else stacked[0]
+
+    return reference
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, F64])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_norm_forward_members_kernels_normalize_each_member_alone(kind, dtype):
+    plain = nk.LAYER_NORM if kind == "layer" else nk.RMS_NORM
+    members = plain.batch.members
+    for m, rows, n, w_per_member, b_per_member, shared_x in _FORWARD_MEMBER_CASES:
+        args = _forward_members_args(kind, m, rows, n, w_per_member, b_per_member, shared_x, dtype)
+        got = check_kernel(members, args, _forward_members_reference(kind))
+        got = got if isinstance(got, tuple) else (got,)
+        assert got[0].shape == (m, *rows, n), (members.name, got[0].shape)
+        with functe.use_backend("interpret"):  # the launcher's promise: each member's bits as a launch on it alone
+            for i in range(m):
+                member = [
+                    a[i] if isinstance(a, torch.Tensor) and (j == 0 or a.dim() == 2) else a for j, a in enumerate(args)
+                ]
+                alone = plain.launcher(*member)
+                for a, b in zip(got, alone if isinstance(alone, tuple) else (alone,)):
+                    assert torch.equal(a[i], b), (members.name, dtype, m, rows, n, i)
+
+
+def test_norm_forward_members_kernel_rejects_a_bias_of_the_wrong_member_count():
+    x = torch.ones(3, 4, 8)
+    with functe.use_backend("interpret"), pytest.raises(functe.ShapeError, match=r"'bias' expected f32\[3,8\]"):
+        nk.LAYER_NORM_MEMBERS(x, torch.ones(3, 8), torch.ones(2, 8), 1e-5, False)
+    with functe.use_backend("interpret"), pytest.raises(functe.ShapeError, match=r"'weight' expected f32\[3,8\]"):
+        nk.RMS_NORM_MEMBERS(x, torch.ones(4, 8), 1e-5, False)
+
+
 def test_cpu_fast_paths_allocate_on_the_cpu_under_another_default_device():
     # The fast paths' results and scratch buffers took the ambient default device: CPU tensors inside
     # `with torch.device("meta")` (or set_default_device) failed with "cross-device copies are not allowed".

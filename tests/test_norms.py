@@ -171,6 +171,29 @@ def test_per_example_gradients_launch_one_backward_kernel_with_each_members_bits
         assert torch.equal(got, torch.stack(parts))
 
 
+@pytest.mark.parametrize("x_per_member", [True, False])
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_an_ensembles_forward_launches_one_norm_kernel_with_each_members_bits(name, x_per_member):
+    # vmap over an ensemble's γ and β (torch.func's model ensembling) ran the forward's twin under
+    # torch.vmap (torch ops, even on a GPU): the batching rule now launches the members kernel once;
+    # one x shared by every member is read in place (member stride 0), not copied per member.
+    loss, argnums = _loss_and_params(name)
+    params = [make((4, 13), torch.float32) for _ in argnums[:-1]]
+    x, t = make((4, 5, 13) if x_per_member else (5, 13), torch.float32), make((4, 5, 13), torch.float32)
+    grad = torch.func.grad(loss, argnums=argnums[:-1])
+    x_dim = 0 if x_per_member else None
+    with functe.use_backend("interpret"), _triton.record_launches() as log:
+        per_member = torch.vmap(grad, in_dims=(*[0] * len(params), x_dim, 0))(*params, x, t)
+    launched = [launch[0] for launch in log]
+    assert launched == [norm_kernels._norm_fwd_kernel, norm_kernels._norm_bwd_kernel], [k.__name__ for k in launched]
+    (_, args, _, grid) = log[0]
+    assert grid[0] // args[10] == 4 and args[6] == 5 and args[11] == (65 if x_per_member else 0)
+    with functe.use_backend("interpret"):
+        alone = [grad(*(p[i] for p in params), x[i] if x_per_member else x, t[i]) for i in range(4)]
+    for got, parts in zip(per_member, zip(*alone)):
+        assert torch.equal(got, torch.stack(parts))
+
+
 def test_second_derivatives_through_the_members_kernel(backend):
     # grad of a function of per-example γ-gradients (a per-example gradient penalty) differentiates
     # the members kernel through its twin

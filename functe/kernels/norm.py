@@ -162,10 +162,14 @@ def _norm_fwd_kernel(
     Y,
     MEAN,
     RSTD,
-    n_rows,
+    rows_per_member,
     n_cols,
     count,
     eps,
+    programs_per_member,
+    x_member_stride,
+    w_member_stride,
+    b_member_stride,
     CENTER: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -175,13 +179,18 @@ def _norm_fwd_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
+    # Program (m, p) normalizes tile p of member m's rows. An unbatched call is one member; a vmapped
+    # one with γ or β per member (an ensemble) stacks the members: x, γ and β advance by their member
+    # strides (0 for one shared by every member), y and the statistics by the member's rows.
+    member, pid = tile_ids(programs_per_member)
     y, offs, mask, rows, mean, r = norm_fwd_tile(
-        X, W, B, tl.program_id(0), n_rows, n_cols, count, eps,
-        CENTER, HAS_W, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE,
+        X + member * x_member_stride, W + member * w_member_stride, B + member * b_member_stride, pid,
+        rows_per_member, n_cols, count, eps, CENTER, HAS_W, HAS_B, ZERO_CENTERED, BLOCK_R, BLOCK_N, COMPUTE,
     )  # fmt: skip
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    first_row = member * rows_per_member
+    tl.store(Y + first_row * n_cols + offs, y.to(Y.dtype.element_ty), mask=mask)
     if STATS:
-        store_stats(MEAN, RSTD, rows, n_rows, mean, r)
+        store_stats(MEAN + first_row, RSTD + first_row, rows, rows_per_member, mean, r)
 
 
 @jit
@@ -300,7 +309,7 @@ def _check_launch(kind: str, x: Tensor, members: int | None = None, **others: Te
         if t is None:
             continue
         expected = x.shape[-1:] if arg in ("weight", "bias") else x.shape
-        if members is not None and arg == "weight" and t.dim() == 2:
+        if members is not None and arg in ("weight", "bias") and t.dim() == 2:
             expected = (members, x.shape[-1])
         if t.shape != expected:
             raise shape_error(_OPS[kind], arg, describe_shape(t.dtype, tuple(expected)), t)
@@ -320,35 +329,58 @@ def new_stats(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     return mean, rstd
 
 
-def check_norm_params(kind: str, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
-    """γ and β of shape ``(N,)`` for a launcher indexing them by x's columns, and no β for RMSNorm."""
+def check_norm_params(
+    kind: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, members: int | None = None
+) -> None:
+    """γ and β of shape ``(N,)`` for a launcher indexing them by x's columns (or ``(M, N)`` with
+    ``members``), and no β for RMSNorm."""
     check_norm_bias(kind, bias)
-    _check_launch(kind, x, weight=weight, bias=bias)
+    _check_launch(kind, x, members, weight=weight, bias=bias)
 
 
-def _fwd(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, zero_centered: bool):
-    """``y``, or for LayerNorm ``(y, mean, rstd)`` (statistics of shape ``x.shape[:-1]``, compute dtype)."""
-    check_norm_params(kind, x, w, b)
-    rows = as_rows(x)
-    n_rows, n_cols = rows.shape
+def _member_stride(t: Tensor | None, members: bool) -> int:
+    """How far a member's γ or β lies from the previous one's: 0 when every member shares it."""
+    return t.shape[-1] if members and t is not None and t.dim() == 2 else 0
+
+
+def _fwd(
+    x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, kind: str, zero_centered: bool, members: bool = False
+):
+    """``y``, or for LayerNorm ``(y, mean, rstd)`` (statistics of shape ``x.shape[:-1]``, compute dtype).
+
+    ``members``: x's dimension 0 stacks independent members (see :func:`layer_norm_members`); γ and β
+    are ``[N]`` or ``[M, N]``. An x broadcast along it (stride 0: one input to every member) is read
+    once per member, not copied.
+    """
+    m = x.shape[0] if members else 1
+    check_norm_params(kind, x, w, b, m if members else None)
+    shared_x = members and m > 0 and x.stride(0) == 0
+    rows = as_rows(x[0] if shared_x else x)
+    n_cols = x.shape[-1]
+    rows_per_member = rows.shape[0] if shared_x else rows.shape[0] // max(m, 1)
     # Results in their own shapes (contiguous, so the kernel's row-major indexing holds): views
     # returned from a Function cost an un-viewing at its boundary (_backend.unaliased_outputs).
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     stats = kind == "layer"
     mean, rstd = new_stats(x, kind)
-    if rows.numel():
-        block_r, block_n, warps = _tiling(x, kind)
-        _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+    if y.numel():
+        block_r, block_n, warps = _tiling(x, kind, m)
+        programs = triton.cdiv(rows_per_member, block_r)
+        _norm_fwd_kernel[tiled_grid(m, programs)](
             rows,
             rows if w is None else w.contiguous(),
             rows if b is None else b.contiguous(),
             y,
             mean,
             rstd,
-            n_rows,
+            rows_per_member,
             n_cols,
             mean_count(kind, n_cols),
             eps,
+            programs,
+            0 if shared_x else rows_per_member * n_cols,
+            _member_stride(w, members),
+            _member_stride(b, members),
             CENTER=kind == "layer",
             HAS_W=w is not None,
             HAS_B=b is not None,
@@ -481,6 +513,24 @@ def rms_norm_bwd_add(
     """:func:`rms_norm_bwd` with ``accum`` added to dx in the same pass (TE's ``rmsnorm_bwd_add``)."""
     dx, dw, _ = _bwd(dy, x, weight, eps, "rms", zero_centered_gamma, False, accum)
     return dx, dw
+
+
+def layer_norm_members(
+    x: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`layer_norm` of independent members stacked on dimension 0, in one launch.
+
+    ``x`` is ``[M, ..., N]`` (or one input broadcast to every member), γ and β ``[N]`` (shared) or
+    ``[M, N]``; each member's bits are a launch on that member alone. The norm forward kernels'
+    batching rule for a batched γ or β (an ensemble under ``vmap``), which one launch of the plain
+    kernel cannot index.
+    """
+    return _fwd(x, weight, bias, eps, "layer", zero_centered_gamma, members=True)
+
+
+def rms_norm_members(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
+    """:func:`rms_norm` of independent members (see :func:`layer_norm_members`)."""
+    return _fwd(x, weight, None, eps, "rms", zero_centered_gamma, members=True)
 
 
 def layer_norm_bwd_members(
@@ -618,11 +668,15 @@ def _recompute_cancelled_rows(y: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, 
     y_rows[rows] = redone.to(y.dtype)
 
 
-def _member_gamma(w: Tensor, x: Tensor, zero_centered: bool, acc: torch.dtype) -> Tensor:
-    """The effective γ broadcast over x's rows: ``[N]`` shared, or ``[M, N]`` (one per member of
+def _member_param(t: Tensor, x: Tensor) -> Tensor:
+    """A γ or β broadcast over x's rows: ``[N]`` shared, or ``[M, N]`` (one per member of
     ``x [M, ..., N]``) viewed as ``[M, 1, ..., 1, N]``."""
-    g = _gamma(w, zero_centered, acc)
-    return g if g.dim() == 1 else g.view(g.shape[0], *([1] * (x.dim() - 2)), g.shape[1])
+    return t if t.dim() == 1 else t.view(t.shape[0], *([1] * (x.dim() - 2)), t.shape[1])
+
+
+def _member_gamma(w: Tensor, x: Tensor, zero_centered: bool, acc: torch.dtype) -> Tensor:
+    """The effective γ (see :func:`_member_param`)."""
+    return _member_param(_gamma(w, zero_centered, acc), x)
 
 
 def _member_sums(t: Tensor) -> Tensor:
@@ -679,6 +733,16 @@ def layer_norm_bwd_add_members_ref(
     return (dx + accum.to(dx.dtype)).to(x.dtype), dw.to(weight.dtype), db.to(x.dtype)
 
 
+def layer_norm_members_ref(
+    x: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PyTorch twin of :func:`layer_norm_members`."""
+    acc = compute_dtype(x.dtype)
+    xhat, rstd, mean = _normalize(x.to(acc), eps, "layer")
+    y = xhat * _member_gamma(weight, x, zero_centered_gamma, acc) + _member_param(bias.to(acc), x)
+    return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
+
+
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
     """PyTorch twin of :func:`rms_norm`."""
     acc = compute_dtype(x.dtype)
@@ -687,6 +751,13 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: boo
         return _rms_fwd_fast(x, gamma, eps, "rms")
     xhat, _, _ = _normalize(x.to(acc), eps, "rms")
     return (xhat * gamma).to(x.dtype)
+
+
+def rms_norm_members_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
+    """PyTorch twin of :func:`rms_norm_members`."""
+    acc = compute_dtype(x.dtype)
+    xhat, _, _ = _normalize(x.to(acc), eps, "rms")
+    return (xhat * _member_gamma(weight, x, zero_centered_gamma, acc)).to(x.dtype)
 
 
 def rms_norm_bwd_ref(
@@ -870,11 +941,13 @@ def _rms_bwd_fast(dy, x, gamma, eps, kind, accum=None):
     return shaped(dx, x.shape), dw
 
 
-# Forward kernels batch over rows (γ, β are parameters; a batched γ or β runs the vmapped twin).
+# Forward kernels batch over rows; a batched γ or β (an ensemble) runs the ``*_members`` kernel.
 # The backward kernels reduce over rows into dγ/dβ: a vmapped call runs the ``*_members`` kernel, one
 # launch whose dγ (and dβ) stay per member (vmap(grad): per-example gradients of γ, or an ensemble).
-LAYER_NORM = Kernel("layer_norm", layer_norm, layer_norm_ref, batch=Rowwise(params=(1, 2)))
-RMS_NORM = Kernel("rms_norm", rms_norm, rms_norm_ref, batch=Rowwise(params=(1,)))
+LAYER_NORM_MEMBERS = Kernel("layer_norm_members", layer_norm_members, layer_norm_members_ref, fast_path=False)
+RMS_NORM_MEMBERS = Kernel("rms_norm_members", rms_norm_members, rms_norm_members_ref, fast_path=False)
+LAYER_NORM = Kernel("layer_norm", layer_norm, layer_norm_ref, batch=Rowwise(params=(1, 2), members=LAYER_NORM_MEMBERS))
+RMS_NORM = Kernel("rms_norm", rms_norm, rms_norm_ref, batch=Rowwise(params=(1,), members=RMS_NORM_MEMBERS))
 LAYER_NORM_BWD_MEMBERS = Kernel(
     "layer_norm_bwd_members", layer_norm_bwd_members, layer_norm_bwd_members_ref, fast_path=False
 )
