@@ -289,7 +289,8 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
     twice (the cotangents were summed) or passed through an op before reaching its op (the chain
     rule scaled it): ``check=True`` raises :class:`functe.StateError` naming the state (one host
     synchronisation per call, skipped inside ``torch.func`` transforms); without the check the
-    state becomes NaN, which the next step makes visible.
+    state becomes NaN, which the next step makes visible. The next state holds no autograd history:
+    its tensors are fresh leaves, which require grad where the old state's did (the classic route).
 
     Example:
         >>> import torch, functe
@@ -317,13 +318,31 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
             continue
         _check_cotangent(old, ct, _keystr(path))
         new, uses = _next_state(old, ct)
-        new_leaves.append(new)
+        new_leaves.append(ScalingState(_next_leaf(new.scale, old.scale), _next_leaf(new.amax_history, old.amax_history)))
         if uses is not None:
             counts.append(uses.reshape(uses.numel()))  # (not -1: ambiguous for an empty vmapped batch)
             names.append(_keystr(path))
     if check and counts and not any(torch._C._functorch.is_functorch_wrapped_tensor(c) for c in counts):
         _check_counts(counts, names)
     return tree_unflatten(spec, new_leaves)
+
+
+def _next_leaf(new: Tensor, old: Tensor) -> Tensor:
+    """A next state's tensor with no autograd history, a leaf that requires grad where the old one did.
+
+    A state is never differentiated, only updated from its cotangent: kept attached, the next state
+    chained every step's graph to the last (``value_and_grad`` over trainable parameters kept them
+    all alive), and on the classic route, whose state leaves require grad so that ``.grad`` carries
+    the update, the next state was no leaf: its ``.grad`` stayed ``None`` (read as "not used", the
+    state froze) and the next backward ran into the previous step's freed graph.
+    """
+    leaf = new.detach()
+    if not old.requires_grad:
+        return leaf
+    # (a transform's wrapper: requires_grad is the transform's business; Dynamo cannot ask)
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(old):
+        return leaf
+    return leaf.requires_grad_()
 
 
 def _match(spec, grad: Any) -> list:

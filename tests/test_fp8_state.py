@@ -215,6 +215,42 @@ def test_gradient_accumulation_over_backward_calls_is_named_and_one_update_per_b
         assert torch.equal(got, exp)
 
 
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_the_classic_route_threads_the_returned_state_as_leaves(retain_graph):
+    # state_from_gradient(state, grads) on leaves that require grad returned tensors chained to the
+    # old leaves (torch.where): the next micro-batch's backward filled the old leaves' .grad, the new
+    # state's stayed None (read as "not used": the state froze), and without retain_graph the third
+    # backward ran into a freed graph. The next state is fresh leaves that require grad.
+    recipe = DelayedScaling(amax_history_len=4)
+    w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+    xs = [torch.randn(16, 32) * (i + 1) for i in range(3)]
+    state = functe.tree_map(lambda t: t.requires_grad_(), functe.init_linear_scaling_state(recipe))
+    expected = functe.init_linear_scaling_state(recipe)
+    for x in xs:
+        ops.fp8_linear(x, w, None, state, recipe=recipe).square().mean().backward(retain_graph=retain_graph)
+        state = functe.state_from_gradient(state, functe.tree_map(lambda t: t.grad, state))
+        assert all(t.is_leaf and t.requires_grad and t.grad is None for t in functe.tree_leaves(state))
+        _, _, expected = functe.value_and_grad(
+            lambda p, s, x: ops.fp8_linear(x, p, None, s, recipe=recipe).square().mean()
+        )(w.detach(), expected, x)
+    for got, exp in zip(functe.tree_leaves(state), functe.tree_leaves(expected)):
+        assert torch.equal(got.detach(), exp)
+
+
+def test_a_state_from_value_and_grad_over_trainable_parameters_holds_no_graph():
+    # Parameters that require grad make torch.func's results carry the outer autograd graph; the next
+    # state carried it too, and fed into the next step it chained every step's graph (saved FP8
+    # operands included) to the last: memory grew each step.
+    recipe = DelayedScaling(amax_history_len=4)
+    params = {"w": torch.nn.Parameter(torch.randn(32, 32) / 6)}
+    step = functe.value_and_grad(lambda p, s, x: ops.fp8_linear(x, p["w"], None, s, recipe=recipe).square().mean())
+    state = functe.init_linear_scaling_state(recipe)
+    for _ in range(3):
+        loss, grads, state = step(params, state, torch.randn(16, 32))
+        assert loss.grad_fn is not None  # (torch.func's own behaviour for the loss and gradients)
+        assert not any(t.requires_grad for t in functe.tree_leaves(state))
+
+
 def test_a_shared_state_passed_through_an_op_is_rejected_too():
     # share_state turned a copy's count of 0.5 (the state scaled by 0.5 on its way) into 1: the
     # halved amax was recorded and the next step saturated.
