@@ -768,8 +768,9 @@ class _Variant:
         first_order_only(forward, *second_order)  # (what custom_vjp's guard says; the eager node's below)
         # The plan's literal tensors (a captured frozen weight, a seed): plain tensors no input reaches
         # (see _trace._untracked_constant), so a backward that keeps one has an exact second order.
-        literals = tuple(v for v in namespace.values() if isinstance(v, Tensor))
-        if plan.checks_captured:
+        # (one requiring grad was captured by an eval pass: a call under grad mode refuses it first)
+        literals = tuple(v for v in namespace.values() if isinstance(v, Tensor) and not v.requires_grad)
+        if plan.checks_captured and torch.is_grad_enabled():
             # (a captured constant made trainable since the trace: the plan's own message, which
             # says what to do, not custom_vjp's about constant residuals)
             plan.check_captured(None)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.autograd import forward_ad
 
 from . import _vjp
@@ -57,8 +58,10 @@ Tensor = torch.Tensor
 class _Trace:
     """The equations recorded by one active trace."""
 
-    def __init__(self):
+    def __init__(self, caller_grad: bool = True):
         self.eqns: list[Eqn] = []
+        # Whether the caller had grad mode on (the trace itself always runs with it on).
+        self.caller_grad = caller_grad
 
 
 _active: _Trace | None = None
@@ -243,6 +246,11 @@ def _atom(op_name: str, leaf: Any, trace: _Trace):
                 "function as an argument (for an ensemble of modules under vmap, fuse a function that takes the "
                 "parameters, or call the unfused module)"
             )
+        if constant is None and not trace.caller_grad and _plain_trainable(leaf):
+            # An eval pass (no_grad, inference_mode) of a function that captures trainable weights
+            # (`fuse(module)`): no gradient can be lost now, and a later call under grad mode refuses
+            # the constant then (Plan.check_captured), as a trace under grad mode would.
+            constant = leaf
         if constant is None:
             raise TraceError(
                 f"functe.{op_name}: a tensor {describe(leaf)} captured from the enclosing scope requires "
@@ -268,6 +276,11 @@ def _untracked_constant(t: Tensor) -> Tensor | None:
         t = f.get_unwrapped(t)
     # (a forward-mode dual, too: inside the fused node its tangent would be lost)
     return None if t.requires_grad or any_tangent((t,)) else t
+
+
+def _plain_trainable(t: Tensor) -> bool:
+    """A tensor that requires grad and nothing else: no transform's wrapper, no forward-mode tangent."""
+    return t.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(t) and not any_tangent((t,))
 
 
 def _differentiated_at(wrapper: Tensor) -> bool:
@@ -296,8 +309,13 @@ def _fake(atom) -> Any:
 
 
 def _run_forward_rule(op, inputs, params: dict[str, Any], in_tree, *, fake: bool) -> Any:
-    """``op``'s forward rule on shape-only stand-ins: meta tensors, or fake ones on the real device."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    """``op``'s forward rule on shape-only stand-ins: meta tensors, or fake ones on the real device.
+
+    The caller's dispatch modes do not see a run on meta tensors: it is the trace's bookkeeping, not
+    the program (``FlopCounterMode`` counted every GEMM of a first call twice, ``make_fx`` put the
+    meta computation into its graph as dead nodes).
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else _disable_current_modes()
     with _recording(None), use_backend("torch"), torch.no_grad(), mode:
         args = tree_unflatten(in_tree, [(_fake if fake else _meta)(a) for a in inputs])
         return op.fwd(*args, **params)
@@ -409,7 +427,7 @@ def trace_call(fn: Callable, args: tuple, kwargs: dict, sources: dict[int, Tenso
     """Trace ``fn(*args, **kwargs)`` (see :func:`trace`); ``sources`` collects the captured tensors
     whose values computations folded into constants read (see :class:`_CapturedWatch`)."""
     leaves, in_tree = tree_flatten((args, kwargs))
-    t = _Trace()
+    t = _Trace(caller_grad=torch.is_grad_enabled())
     inputs: list[Var] = []
     static: dict[int, Any] = {}
     traced_leaves = []

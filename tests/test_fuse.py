@@ -580,6 +580,29 @@ def test_a_plan_traced_under_a_fake_mode_serves_only_that_mode():
             assert fused.trace_count == 2
 
 
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_the_callers_dispatch_modes_do_not_see_the_traces_shape_runs(tracing_mode):
+    # The trace infers shapes by running forward rules on meta tensors, under the caller's modes:
+    # FlopCounterMode counted a first call's GEMMs twice, make_fx put the meta computation into its
+    # graph (dead nodes on device "meta").
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def block(x, w, b):
+        return ops.activation(ops.linear(x, w, b), "gelu")
+
+    args = [make((4, 8)).requires_grad_(), make((6, 8)).requires_grad_(), make((6,)).requires_grad_()]
+    counts = []
+    for fn in (block, functe.fuse(block), functe.fuse(block)):
+        with FlopCounterMode(display=False) as counter:
+            fn(*args).sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] > 0 and counts == [counts[0]] * 3, counts
+    graph = make_fx(functe.fuse(block), tracing_mode=tracing_mode)(*(a.detach() for a in args)).graph
+    targets = [str(node.target) for node in graph.nodes if node.op == "call_function"]
+    assert "meta" not in str(graph) and targets.count("aten.addmm.default") == 1, targets
+
+
 def test_a_static_value_changing_every_call_warns_once_naming_it():
     # A step count passed as a Python int is static: every step traced a new plan, and kept it.
     fused = functe.fuse(lambda x, step: ops.dropout(x, 0.5, seed=step))
@@ -1187,6 +1210,29 @@ def test_a_captured_tensor_that_starts_requiring_grad_is_refused_by_the_cached_p
         fused(x.detach())
     with torch.no_grad():
         assert torch.equal(fused(x.detach()), ops.linear(x.detach(), base))
+
+
+@pytest.mark.parametrize("eval_mode", [torch.no_grad, torch.inference_mode])
+def test_an_eval_pass_may_capture_trainable_weights(eval_mode):
+    # `fuse(model)` under no_grad / inference_mode (an evaluation) refused the model's trainable
+    # parameters as a training call does, though no gradient can be lost there; unfused it runs.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(16, 4))
+    block = lambda x: ops.linear(ops.gelu(ops.linear(x, model[0].weight, model[0].bias)), model[2].weight)
+    fused, x = functe.fuse(block), make((3, 8))
+    with eval_mode():
+        assert torch.equal(fused(x), block(x))
+        assert torch.equal(fused(x), block(x)) and fused.trace_count == 1
+    # a training call with the cached plan refuses the constants, as a trace under grad mode does
+    with pytest.raises(functe.TraceError, match=r"as a constant requires gradients now"):
+        fused(x.requires_grad_())
+    with pytest.raises(functe.TraceError, match=r"requires gradients"):
+        functe.fuse(block)(x)
+    # a folded constant (w.t()) and a frozen model both work after the eval pass
+    folded = functe.fuse(lambda x: ops.linear(x, model[0].weight.t().t()))
+    with eval_mode():
+        assert torch.equal(folded(x), ops.linear(x, model[0].weight))
+    model.requires_grad_(False)
+    assert torch.equal(fused(x), block(x)) and fused.trace_count == 1
 
 
 @pytest.mark.parametrize(
