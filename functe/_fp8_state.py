@@ -318,7 +318,9 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
             continue
         _check_cotangent(old, ct, _keystr(path))
         new, uses = _next_state(old, ct)
-        new_leaves.append(ScalingState(_next_leaf(new.scale, old.scale), _next_leaf(new.amax_history, old.amax_history)))
+        new_leaves.append(
+            ScalingState(_next_leaf(new.scale, old.scale), _next_leaf(new.amax_history, old.amax_history))
+        )
         if uses is not None:
             counts.append(uses.reshape(uses.numel()))  # (not -1: ambiguous for an empty vmapped batch)
             names.append(_keystr(path))

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.autograd import forward_ad
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _vjp
 from ._autocast import autocast_as, autocast_state

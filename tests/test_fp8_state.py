@@ -246,7 +246,7 @@ def test_a_state_from_value_and_grad_over_trainable_parameters_holds_no_graph():
     step = functe.value_and_grad(lambda p, s, x: ops.fp8_linear(x, p["w"], None, s, recipe=recipe).square().mean())
     state = functe.init_linear_scaling_state(recipe)
     for _ in range(3):
-        loss, grads, state = step(params, state, torch.randn(16, 32))
+        loss, _, state = step(params, state, torch.randn(16, 32))
         assert loss.grad_fn is not None  # (torch.func's own behaviour for the loss and gradients)
         assert not any(t.requires_grad for t in functe.tree_leaves(state))
 
