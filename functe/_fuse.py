@@ -1039,6 +1039,19 @@ class Fused:
         self._last_key: tuple | None = None
         self.stale_retraces = 0  # of trace_count: retraces of a plan whose folded constants went stale
         self._fake_slot: tuple[tuple, int] | None = None  # (key, index) of the plan traced under a fake mode
+        self._mode_modules: list[torch.nn.Module] | None = None  # (see _training_flags)
+
+    def _training_flags(self) -> tuple[bool, ...]:
+        """The ``training`` flag of every module the function reaches by name and of their submodules.
+
+        A trace reads them once (``if self.training: dropout``), so plans are keyed by them: after
+        ``model.eval()`` a plan traced in training kept dropping units. (The modules are found at the
+        first call, not by ``fuse``: a module being unpickled or deep-copied is not built yet; and
+        again at each trace: a submodule added since is found by the retrace its rebinding causes.)
+        """
+        if self._mode_modules is None:
+            self._mode_modules = _submodules(self.__wrapped__)
+        return tuple(m.training for m in self._mode_modules)
 
     def __call__(self, *args, **kwargs):
         if _trace.tracing():
@@ -1049,7 +1062,10 @@ class Fused:
             _refuse_compiled_transforms(f"fuse({self.__name__})")
             walked: list[Tensor] = []
             key = _constant_key((args, kwargs), walked)
-            index, order = _compiled_plan_index(self, key, get_backend())  # (the backend: guarded)
+            # (the backend and the modules' training flags: arguments, so that Dynamo guards them;
+            # the modules are found outside the graph first, so that the list Dynamo reads is final)
+            _find_mode_modules(self)
+            index, order = _compiled_plan_index(self, key, get_backend(), self._training_flags())
             plan = _compiled_plan(self, index)
             # A plan that folded computations on captured tensors (`w.to(bf16)`) must see their
             # in-place updates, which no Dynamo guard does (a version counter is data): the check
@@ -1128,6 +1144,9 @@ class Fused:
         # (a trace folds computations on captured tensors with the backend then in force: run under
         # another one, the plan's constants had the first one's bits, whichever call came first)
         key.append(get_backend())
+        training = self._training_flags()
+        if training:
+            key.append(training)
         fake = _active_fake_mode()
         if fake is not None:
             # (a trace under a FakeTensorMode, make_fx's fake tracing, holds fake constants, which a
@@ -1195,6 +1214,9 @@ class Fused:
             # (the modules fn reaches by name: a plan that took some of their parameters or buffers
             # as constants checks at each call that their names still give those tensors)
             modules = {id(v): v for v in _trace._reached(self.__wrapped__) if isinstance(v, torch.nn.Module)}
+            found = _submodules(self.__wrapped__)
+            if self._mode_modules is None or list(map(id, found)) != list(map(id, self._mode_modules)):
+                self._mode_modules = found  # (else the same list: Dynamo guards it)
             if modules:
                 plan.bind(list(modules.values()), list(sources.values()))
             if slot is not None:  # (a fake call's plan replacing the last one: see _lookup)
@@ -1501,6 +1523,22 @@ def _compiled_plan(fused: Fused, index: int) -> Plan:
     return getattr(fused, f"_plan{index}")
 
 
+def _submodules(fn: Callable) -> list[torch.nn.Module]:
+    """The modules ``fn`` reaches by name and all their submodules, each once."""
+    found: dict[int, torch.nn.Module] = {}
+    for v in _trace._reached(fn):
+        if isinstance(v, torch.nn.Module):
+            found.update((id(m), m) for m in v.modules())
+    return list(found.values())
+
+
+@torch._dynamo.assume_constant_result
+def _find_mode_modules(fused: Fused) -> int:
+    """Run by Dynamo at trace time (not traced): :meth:`Fused._training_flags`'s module list."""
+    fused._training_flags()
+    return 0
+
+
 def _refresh(fused: Fused, key: Any) -> None:
     """Retrace ``fused``'s plan for ``key`` if it went stale (run eagerly: a graph break)."""
     args, kwargs = _rebuild(key)
@@ -1518,12 +1556,13 @@ _refresh_outside_graph = torch.compiler.disable(
 
 
 @torch._dynamo.assume_constant_result
-def _compiled_plan_index(fused: Fused, key: Any, backend: str) -> tuple[int, tuple[int, ...]]:
+def _compiled_plan_index(fused: Fused, key: Any, backend: str, training: tuple) -> tuple[int, tuple[int, ...]]:
     """Run by Dynamo at trace time (not traced): find or build the plan.
 
     Returns the plan's index and the order of the tensors of the
     :func:`_constant_key` walk in the plan's (optree) flattening order; ``backend`` (the one in force,
-    which the lookup keys plans by) is an argument so that Dynamo guards it: a switch recompiles. Only
+    which the lookup keys plans by) and ``training`` (the reached modules' flags, keyed too) are arguments
+    so that Dynamo guards them: a switch, ``model.eval()``, recompiles. Only
     ints come back into the graph; the plan itself is then read from ``fused``
     so that Dynamo has a real source to guard on.
     """

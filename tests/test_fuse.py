@@ -465,6 +465,32 @@ def test_a_fused_module_sees_a_replaced_submodule_and_an_untied_weight():
     assert fused.trace_count == 3
 
 
+class _DropoutInTraining(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(8, 8))
+
+    def forward(self, x, seed):
+        h = ops.linear(x, self.inner[0].weight, self.inner[0].bias)
+        return ops.dropout(h, 0.5, seed=seed) if self.inner.training else h  # (a submodule's flag)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_fused_module_follows_train_and_eval(compiled):
+    # A trace reads `self.training` once: after model.eval() the plan traced in training kept
+    # dropping units (and the other way round). Plans are keyed by the modules' training flags.
+    torch._dynamo.reset()
+    model = _DropoutInTraining().requires_grad_(False)
+    for fused in (functe.fuse(model), functe.fuse(lambda x, seed: model(x, seed))):
+        run = torch.compile(fused, backend="aot_eager", fullgraph=True) if compiled else fused
+        x, seed = make((4, 8)), torch.tensor(7)
+        for training in (True, False, True, False):
+            model.train(training)
+            assert torch.equal(run(x, seed), model(x, seed)), training
+        assert fused.trace_count == 2  # (one plan per mode, both kept)
+    torch._dynamo.reset()
+
+
 def test_a_deep_copy_of_a_fused_module_computes_with_its_own_weights():
     # (the copied plans' generated functions kept the original's weights in their globals)
     block, x = _FrozenBlock(), make((4, 8), F64)
