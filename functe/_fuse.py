@@ -601,6 +601,9 @@ class Plan:
             if isinstance(a, Literal) and isinstance(a.value, torch.Tensor)
         ]
         self._opaque_eqns = [e for e in program.eqns if getattr(e.op, "opaque_check", None)]
+        # Whether an eval pass (no_grad) captured a trainable tensor, which a trace under grad mode
+        # refuses: its calls under grad mode refuse it (check_captured), not the building of its code.
+        self.eval_captures = any(t.requires_grad for t in self._captured)
         # (an op made with custom_vjp(batching=None) refuses vmap unfused; the plan runs its forward
         # rule directly, so the program refuses in its place)
         self.unbatchable = next((e.op.name for e in program.eqns if getattr(e.op, "batching", "") is None), None)
@@ -770,7 +773,7 @@ class _Variant:
         # (see _trace._untracked_constant), so a backward that keeps one has an exact second order.
         # (one requiring grad was captured by an eval pass: a call under grad mode refuses it first)
         literals = tuple(v for v in namespace.values() if isinstance(v, Tensor) and not v.requires_grad)
-        if plan.checks_captured and torch.is_grad_enabled():
+        if plan.checks_captured and not plan.eval_captures:
             # (a captured constant made trainable since the trace: the plan's own message, which
             # says what to do, not custom_vjp's about constant residuals)
             plan.check_captured(None)

@@ -443,11 +443,51 @@ def trace_call(fn: Callable, args: tuple, kwargs: dict, sources: dict[int, Tenso
     # Under grad mode, so that ops take their differentiable path (no donation).
     # (out of inference mode: a plan traced during an eval pass must serve training calls too)
     watch = _CapturedWatch({} if sources is None else sources, _reachable_storages(fn))
-    with _recording(t), torch.inference_mode(False), torch.enable_grad(), watch, _refusing_module_hooks():
+    with (
+        _refusing_generator_changes(fn, static.values()),  # (outside the watch: its reads are not the function's)
+        _recording(t),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        watch,
+        _refusing_module_hooks(),
+    ):
         out = fn(*targs, **tkwargs)
     out_leaves, out_tree = tree_flatten(out)
     outputs = [_output_atom(leaf, t, watch) for leaf in out_leaves]
     return OpList(inputs, t.eqns, outputs, in_tree=in_tree, out_tree=out_tree, static=static)
+
+
+@contextlib.contextmanager
+def _refusing_generator_changes(fn: Callable, static: Any):
+    """Raise if the traced function moved a random generator: torch's default ones, or a
+    ``torch.Generator`` it reaches by name or takes as an argument (one it makes itself is its own).
+
+    A draw (or ``torch.manual_seed``) inside a trace happens once, at trace time, and the plan reuses
+    its result: unfused, every call draws anew. The trace refuses the random functions it knows by
+    name; this catches the rest (``torch.dropout``, ``F.dropout2d``, ``nn.init.normal_``,
+    ``F.gumbel_softmax``'s inner ``exponential_``, a captured generator's ``generator=`` draws).
+    """
+    with _disable_current_modes():  # (under a fake mode too: the states are real tensors)
+        generators = [torch.default_generator]
+        if torch.cuda.is_initialized():
+            generators += list(torch.cuda.default_generators)
+        defaults = len(generators)
+        for g in [*_named_values(fn), *static]:
+            if isinstance(g, torch.Generator) and not any(g is h for h in generators):
+                generators.append(g)
+        before = [g.get_state() for g in generators]
+    yield
+    with _disable_current_modes():
+        moved = [g for g, state in zip(generators, before) if not torch.equal(g.get_state(), state)]
+    if moved:
+        mine = any(g is moved[0] for g in generators[:defaults])
+        which = "torch's default random generator" if mine else "a torch.Generator it captures or takes as an argument"
+        raise TraceError(
+            f"functe.trace: the traced function moved {which} (a random draw, or torch.manual_seed): inside a "
+            "traced function it happens once, at trace time, and every call would reuse its result. Pass the "
+            "random tensor as an argument, use a seeded op (functe.ops.dropout(x, p, seed=...)), or wrap the "
+            "drawing part in functe.opaque(fn), which draws on every call"
+        )
 
 
 _HOOK_KINDS = {

@@ -1473,6 +1473,48 @@ def test_draws_and_writes_inside_a_traced_function_are_refused():
     assert counter.steps.item() == 0.0
 
 
+_CAPTURED_GENERATOR = torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize(
+    "noise",
+    [
+        lambda: torch.dropout(torch.ones(4, 8), 0.5, True),
+        lambda: torch.nn.functional.dropout2d(torch.ones(1, 4, 8, 1), 0.5).reshape(4, 8),
+        lambda: torch.nn.init.normal_(torch.empty(4, 8)),
+        lambda: torch.nn.functional.gumbel_softmax(torch.ones(4, 8)),  # (its exponential_ is inside torch)
+        lambda: (torch.manual_seed(1234), torch.zeros(4, 8))[1],
+    ],
+    ids=["torch.dropout", "dropout2d", "init.normal_", "gumbel_softmax", "manual_seed"],
+)
+def test_a_trace_that_moves_a_random_generator_is_refused(noise):
+    # The trace knew a list of random functions by name: any other draw ran once, at trace time, and
+    # every call reused its noise (unfused, every call draws anew); a reseed happened once.
+    state = torch.get_rng_state()
+    with pytest.raises(functe.TraceError, match=r"moved (torch's default random generator|a torch\.Generator it cap)"):
+        functe.fuse(lambda x: ops.add_extra_input(x, noise()))(make((4, 8)))
+    torch.set_rng_state(state)
+
+
+def test_a_generator_argument_that_moves_is_refused_and_one_the_function_makes_is_its_own():
+    x = make((4, 8))
+    with pytest.raises(functe.TraceError, match=r"moved a torch\.Generator it captures or takes as an argument"):
+        functe.fuse(lambda x, g: ops.add_extra_input(x, torch.rand(4, 8, generator=g)))(x, torch.Generator())
+    with pytest.raises(functe.TraceError, match=r"moved a torch\.Generator it captures or takes as an argument"):
+        functe.fuse(lambda x: ops.add_extra_input(x, torch.rand(4, 8, generator=_CAPTURED_GENERATOR)))(x)
+
+    def own(x):  # (the same noise on every call, unfused too: a constant)
+        return ops.add_extra_input(x, torch.rand(4, 8, generator=torch.Generator().manual_seed(3)))
+
+    fused = functe.fuse(own)
+    assert torch.equal(fused(x), own(x)) and torch.equal(fused(x), own(x))
+    # an opaque function draws on every call, as unfused
+    noisy = functe.fuse(lambda x: functe.opaque(lambda x: torch.dropout(x, 0.5, True))(x))
+    torch.manual_seed(5)
+    first, second = noisy(torch.ones(64, 64)), noisy(torch.ones(64, 64))
+    assert not torch.equal(first, second)
+
+
 class _Counter(torch.nn.Module):
     def __init__(self):
         super().__init__()
