@@ -1139,7 +1139,7 @@ class Fused:
                 key.append((x.shape, x.dtype, x.device))
             elif type(x) is float:
                 # by bits: -0.0 == 0.0 would reuse a plan with the other sign, and nan != nan retrace forever
-                key.append((float, x.hex()))
+                key.append((float, _Bits(x.hex())))
             else:
                 key.append(_static_key(x))
         if torch._C._is_any_autocast_enabled():  # (a trace under autocast folds and records its dtypes)
@@ -1306,23 +1306,26 @@ class Fused:
         return f"fuse({self.__name__})"
 
 
+class _Bits(str):
+    """A floating static leaf's key: its hex bits (told apart from a ``str`` subclass's value, an
+    ``np.str_`` or a ``StrEnum``, whose key also holds a string under another type)."""
+
+
 def _shown(entry: tuple) -> str:
     """A static leaf's key entry as the value it stands for (floats are keyed by their hex bits)."""
-    kind, value = entry
-    if isinstance(value, str) and kind is not str:
-        return repr(float.fromhex(value))  # (only floats are keyed by a string of another type)
-    return repr(value)
+    _, value = entry
+    return repr(float.fromhex(value)) if isinstance(value, _Bits) else repr(value)
 
 
 def _static_key(x: Any) -> tuple:
     """The cache key of a static leaf: its type and value, floating values by their bits (a float
     subclass such as ``np.float64``, and numpy's other binary floats, compare -0.0 == 0.0 too)."""
     if isinstance(x, float):
-        return (type(x), float(x).hex())
+        return (type(x), _Bits(float(x).hex()))
     kind = getattr(getattr(x, "dtype", None), "kind", None)
     numpy_scalar = type(x).__module__ == "numpy" and type(x).__name__ != "ndarray"  # (an array is unhashable)
     if kind == "f" and numpy_scalar and x.dtype.itemsize <= 8:  # (float() is exact; the type keys the dtype)
-        return (type(x), float(x).hex())
+        return (type(x), _Bits(float(x).hex()))
     return (type(x), x)
 
 

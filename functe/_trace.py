@@ -112,6 +112,10 @@ class Tracer(Tensor):
     def __repr__(self):
         return f"Tracer({self._var.aval})"
 
+    def __format__(self, spec: str) -> str:
+        # (f"{y}" logs as str(y) does: Tensor.__format__ went to __torch_function__ and was refused)
+        return format(repr(self), spec)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -120,7 +124,7 @@ class Tracer(Tensor):
                 return func(*args, **kwargs)
         rule = _TRANSLATIONS.get(func) if _active is not None else None
         if rule is None:
-            raise _unsupported(func, args)
+            raise _unsupported(func, args, kwargs)
         try:
             return rule(*args, **kwargs)
         except FuncteError as e:
@@ -133,7 +137,7 @@ class Tracer(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise _unsupported(func, args)
+        raise _unsupported(func, args, kwargs)
 
 
 class _ShapeOnly(Tensor):
@@ -173,12 +177,19 @@ def _unsupported(func, args, kwargs=None, why: str = "") -> TraceError:
             f"functe.trace: a traced value escaped its trace and reached {_func_name(func)} "
             "(do not store tracers outside the traced function)"
         )
-    described = ", ".join([*(describe(a) for a in args), *(f"{k}={describe(v)}" for k, v in (kwargs or {}).items())])
+    described = ", ".join(
+        [*(describe(a) for a in args), *(f"{k}={_shown_kwarg(v)}" for k, v in (kwargs or {}).items())]
+    )
     return TraceError(
         f"functe.trace: {_func_name(func)}({described}) on a traced value cannot be recorded in an op list{why}. "
         "Use a functe op (functe.ops), plain arithmetic that maps to one (x + y, 2.0 * x, x.reshape(...)), "
         "or mark the function opaque: functe.opaque(fn) runs it as-is and differentiates it with torch.func"
     )
+
+
+def _shown_kwarg(value: Any) -> str:
+    """A keyword argument in a message: a number, flag or name as itself (``dim=-1``, not ``dim=int``)."""
+    return repr(value) if value is None or isinstance(value, (bool, int, float, str)) else describe(value)
 
 
 # ----------------------------------------------------------------------------- recording op calls
@@ -621,10 +632,14 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
                 "happen once, at trace time, and every call would reuse it. Pass the random tensor as an "
                 "argument, or use a seeded op (functe.ops.dropout(x, p, seed=...))"
             )
-        target = args[0] if args and isinstance(args[0], Tensor) else None
-        if target is None or isinstance(target, (Tracer, _ShapeOnly)) or not _in_place(func):
-            return
-        target = _unwrapped(target)
+        targets = [args[0]] if args and isinstance(args[0], Tensor) and _in_place(func) else []
+        out = kwargs.get("out")  # (torch.add(step, 1, out=step) writes as step.add_(1) does)
+        targets += [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, Tensor)]
+        for target in targets:
+            if not isinstance(target, (Tracer, _ShapeOnly)):
+                self._refuse_write(func, _unwrapped(target))
+
+    def _refuse_write(self, func, target: Tensor) -> None:
         # (only tensors the function reaches by name: one it made by means the watch cannot see,
         # torch.from_numpy or copy.deepcopy, is its own to write)
         if target.device.type != "meta" and storage_of(target) in self.reachable:
@@ -1028,14 +1043,14 @@ def vjp_call(fn: Callable, args: tuple, ct: Any, **static) -> tuple:
     """The cotangents of ``fn(*args, **static)``'s positional arguments for output cotangent ``ct``.
 
     One entry per argument, each a pytree like it (``None`` for leaves that
-    are not floating-point tensors or get no gradient). Outputs that are
-    ``None``, not floating-point, or have a ``None`` cotangent are skipped.
+    are not floating-point or complex tensors or get no gradient). Outputs that are
+    ``None``, neither floating-point nor complex, or have a ``None`` cotangent are skipped.
     Inside a transform or under grad mode (higher order) it uses
     ``torch.func.vjp``; a first-order eager backward takes the cheaper
     ``torch.autograd.grad`` route.
     """
     leaves, tree = tree_flatten(args)
-    diff = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+    diff = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
     ct_leaves = tree_flatten(ct)[0]
     taken: list[int] = []
 
@@ -1059,7 +1074,7 @@ def vjp_call(fn: Callable, args: tuple, ct: Any, **static) -> tuple:
             pairs = [(o, ct_leaves[j]) for o, j in zip(outs, taken) if o.requires_grad]
             grads = (
                 torch.autograd.grad([o for o, _ in pairs], xs, [c for _, c in pairs], allow_unused=True)
-                if pairs
+                if pairs and xs
                 else [None] * len(xs)
             )
     flat: list = [None] * len(leaves)
@@ -1069,7 +1084,9 @@ def vjp_call(fn: Callable, args: tuple, ct: Any, **static) -> tuple:
 
 
 def _is_float(value) -> bool:
-    return isinstance(value, Tensor) and value.is_floating_point()
+    """A tensor that can carry a gradient: floating point or complex (a complex output's cotangent
+    was dropped, its gradient silently missing; a complex input got none)."""
+    return isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 # ----------------------------------------------------------------------------- arithmetic on tracers
@@ -1173,7 +1190,11 @@ def _check_subtraction(a, b) -> None:
         )
 
 
-def _reshape(x, *shape):
+def _reshape(x, *shape, **keyword):
+    if keyword and not shape and set(keyword) == {"shape"}:  # (x.reshape(shape=...), torch's keyword)
+        shape = (keyword["shape"],)
+    elif keyword:
+        raise TypeError(f"reshape() got unexpected keyword arguments {sorted(keyword)}")
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])
     return _ops().reshape(x, shape)

@@ -629,6 +629,23 @@ def test_the_callers_dispatch_modes_do_not_see_the_traces_shape_runs(tracing_mod
     assert "meta" not in str(graph) and targets.count("aten.addmm.default") == 1, targets
 
 
+def test_the_retrace_warning_names_string_subclasses_it_does_not_take_for_floats():
+    # Floats were keyed by their hex bits, and any string under a non-str type was read back as one:
+    # the 16th signature of an np.str_ (or StrEnum) static leaf raised ValueError building the warning.
+    import enum
+
+    import numpy as np
+
+    Names = enum.StrEnum("Names", [f"n{i}" for i in range(_fuse.RETRACE_WARNING)])
+    for kind in (np.str_, Names):
+        fused = functe.fuse(lambda x, name: ops.constant_scale(x, 2.0))
+        with pytest.warns(functe.RetraceWarning, match="static leaves changed") as caught:
+            for i in range(_fuse.RETRACE_WARNING):
+                fused(make((3,)), kind(f"n{i}"))
+        assert repr(kind(f"n{_fuse.RETRACE_WARNING - 1}")) in str(caught[0].message)
+    assert _fuse._shown(_fuse._static_key(np.float32(-0.0))) == "-0.0"
+
+
 def test_a_static_value_changing_every_call_warns_once_naming_it():
     # A step count passed as a Python int is static: every step traced a new plan, and kept it.
     fused = functe.fuse(lambda x, step: ops.dropout(x, 0.5, seed=step))

@@ -490,6 +490,14 @@ def test_norm_forward_members_kernel_rejects_a_bias_of_the_wrong_member_count():
         nk.LAYER_NORM_MEMBERS(x, torch.ones(3, 8), torch.ones(2, 8), 1e-5, False)
     with functe.use_backend("interpret"), pytest.raises(functe.ShapeError, match=r"'weight' expected f32\[3,8\]"):
         nk.RMS_NORM_MEMBERS(x, torch.ones(4, 8), 1e-5, False)
+    # a 1-D x has no member dimension: the launch wrote nothing and returned unwritten memory
+    for launch in (
+        lambda v: nk.RMS_NORM_MEMBERS(v, torch.ones(3, 3), 1e-5, False),
+        lambda v: nk.RMS_NORM_BWD_MEMBERS(v, v, torch.ones(3, 3), 1e-5, False),
+    ):
+        for v in (torch.ones(3), torch.ones(())):
+            with functe.use_backend("interpret"), pytest.raises(functe.ShapeError, match=r"expected \[M, \.\.\., N\]"):
+                launch(v)
 
 
 def test_cpu_fast_paths_allocate_on_the_cpu_under_another_default_device():

@@ -347,3 +347,45 @@ def test_a_seed_derived_by_an_opaque_op_matches_unfused():
 
     x = torch.randn(4, 8)
     assert torch.equal(functe.fuse(f)(x, torch.tensor(7)), f(x, torch.tensor(7)))
+
+
+def test_formatting_a_traced_value_logs_like_str_and_refusals_show_keywords():
+    # f"{y}" went through Tensor.__format__ to __torch_function__ and was refused, where str(y) and
+    # logging's %s printed the tracer; a refused call lost its keywords (x.sum(dim=-1) read as a full sum).
+    shown = []
+
+    def block(x, w):
+        y = ops.linear(x, w)
+        shown.append(f"{y} {y!r:>20}")
+        return y
+
+    functe.fuse(block)(make((4, 8)), make((6, 8)))
+    assert shown == ["Tracer(f32[4,6])     Tracer(f32[4,6])"]
+    with pytest.raises(functe.TraceError, match=r"Tensor\.sum\(f32\[4,8\], dim=-1, keepdim=True\)"):
+        functe.trace(lambda x: x.sum(dim=-1, keepdim=True))(make((4, 8)))
+
+
+def test_out_writes_into_captured_tensors_are_refused_and_reshape_takes_its_keyword():
+    step = torch.zeros(())
+    with pytest.raises(functe.TraceError, match=r"torch\.add writes into f32\[\] captured from the enclosing scope"):
+        functe.fuse(lambda x: (torch.add(step, 1, out=step), ops.constant_scale(x, 2.0))[1])(make((3,)))
+    assert step.item() == 0.0
+    x = make((4, 8))
+    assert torch.equal(functe.fuse(lambda x: ops.gelu(x).reshape(shape=(32,)))(x), ops.gelu(x).reshape(32))
+
+
+def test_an_opaque_function_differentiates_complex_inputs_and_outputs():
+    # Its eager backward took floating-point leaves only: a complex output's cotangent was dropped
+    # (its part of the gradient silently missing), a complex input failed in torch.autograd.grad.
+    spectrum = functe.opaque(lambda x: torch.fft.fft(x))
+    magnitude = functe.opaque(lambda z: z.abs())
+    x = make((5,), torch.float64).requires_grad_()
+    z = torch.randn(5, dtype=torch.complex128, requires_grad=True)
+    for f, g, arg in ((spectrum, lambda x: torch.fft.fft(x), x), (magnitude, lambda z: z.abs(), z)):
+        got = torch.autograd.grad((f(arg).abs() if arg is x else f(arg)).sum() + arg.real.sum(), arg)[0]
+        expected = torch.autograd.grad((g(arg).abs() if arg is x else g(arg)).sum() + arg.real.sum(), arg)[0]
+        torch.testing.assert_close(got, expected)  # (complex for z: the tolerance table is for real dtypes)
+    assert_close(
+        torch.func.grad(lambda x: spectrum(x).abs().sum())(x.detach()),
+        torch.func.grad(lambda x: torch.fft.fft(x).abs().sum())(x.detach()),
+    )

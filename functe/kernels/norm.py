@@ -338,6 +338,17 @@ def check_norm_params(
     _check_launch(kind, x, members, weight=weight, bias=bias)
 
 
+def _member_count(kind: str, x: Tensor) -> int:
+    """The members of a ``*_members`` kernel's x ``[M, ..., N]``: a 1-D (or 0-d) x has rows of no
+    member (its launch wrote nothing and returned unwritten memory)."""
+    if x.dim() < 2:
+        raise ShapeError(
+            f"functe.{_OPS[kind]}: argument 'x' of a members kernel expected [M, ..., N] (members on dimension 0), "
+            f"got {describe(x)}"
+        )
+    return x.shape[0]
+
+
 def _member_stride(t: Tensor | None, members: bool) -> int:
     """How far a member's γ or β lies from the previous one's: 0 when every member shares it."""
     return t.shape[-1] if members and t is not None and t.dim() == 2 else 0
@@ -352,7 +363,7 @@ def _fwd(
     are ``[N]`` or ``[M, N]``. An x broadcast along it (stride 0: one input to every member) is read
     once per member, not copied.
     """
-    m = x.shape[0] if members else 1
+    m = _member_count(kind, x) if members else 1
     check_norm_params(kind, x, w, b, m if members else None)
     shared_x = members and m > 0 and x.stride(0) == 0
     rows = as_rows(x[0] if shared_x else x)
@@ -413,7 +424,7 @@ def _bwd(
     :func:`layer_norm_bwd_members`): dγ and dβ are ``[M, N]``, one reduction per member, tiled and
     partitioned exactly as a call on that member alone; γ is ``[N]`` or ``[M, N]``.
     """
-    m = x.shape[0] if members else 1
+    m = _member_count(kind, x) if members else 1
     _check_launch(kind, x, m if members else None, dy=dy, weight=w, accum=accum)
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
