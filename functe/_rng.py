@@ -27,10 +27,13 @@ class RandomState:
     a random one replays only its CPU draws.
     """
 
-    __slots__ = ("cpu", "cuda")
+    __slots__ = ("cpu", "cuda", "own")
 
-    def __init__(self, args: tuple):
+    def __init__(self, args: tuple, generators: tuple[torch.Generator, ...] = ()):
         self.cpu = torch.get_rng_state()
+        # (the torch.Generator objects the function reaches or takes: its backward drew a new mask
+        # from an advanced generator, a wrong gradient, and advanced it a second time)
+        self.own = [(g, g.get_state()) for g in generators]
         self.cuda = {}
         if not torch.cuda.is_initialized():  # (no CUDA tensor can exist: skip the walk)
             return
@@ -43,12 +46,17 @@ class RandomState:
         # (by hand, not torch.random.fork_rng: that costs ~25 us per backward in warnings and device logic)
         cuda = self.cuda if self.cuda and not torch.cuda.is_current_stream_capturing() else {}
         now_cpu, now_cuda = torch.get_rng_state(), {index: torch.cuda.get_rng_state(index) for index in cuda}
+        now_own = [(g, g.get_state()) for g, _ in self.own]
         torch.set_rng_state(self.cpu)
         for index, state in cuda.items():
             torch.cuda.set_rng_state(state, index)
+        for g, state in self.own:
+            g.set_state(state)
         try:
             yield
         finally:
             torch.set_rng_state(now_cpu)
             for index, state in now_cuda.items():
                 torch.cuda.set_rng_state(state, index)
+            for g, state in now_own:
+                g.set_state(state)

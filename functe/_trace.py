@@ -326,8 +326,12 @@ def _run_forward_rule(op, inputs, params: dict[str, Any], in_tree, *, fake: bool
     the program (``FlopCounterMode`` counted every GEMM of a first call twice, ``make_fx`` put the
     meta computation into its graph as dead nodes).
     """
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else _disable_current_modes()
-    with _recording(None), use_backend("torch"), torch.no_grad(), mode:
+    modes = contextlib.ExitStack()
+    if not fake or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        modes.enter_context(_disable_current_modes())  # (a caller's fake mode is the one fake runs nest in)
+    if fake:
+        modes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+    with _recording(None), use_backend("torch"), torch.no_grad(), modes:
         args = tree_unflatten(in_tree, [(_fake if fake else _meta)(a) for a in inputs])
         return op.fwd(*args, **params)
 
@@ -345,17 +349,21 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
         if opaque_fn is None
         else _CapturedState(_named_values(opaque_fn)).undone(op.name, "while a trace infers its output shapes")
     )
+    # An opaque function runs on fake tensors on the real device first: it may branch on the device
+    # (`if x.device.type == "cpu": x = x.float()`), and on meta tensors the trace recorded the other
+    # branch's dtype. A functe op's forward rule runs on meta tensors first (cheaper), and falls back
+    # to fake ones, which can mix with a tensor it captured.
+    first, second = (True, False) if opaque_fn is not None else (False, True)
     with state:
         try:
-            result = _run_forward_rule(op, inputs, params, in_tree, fake=False)
+            with _quiet_fake_tensor_log() if first else contextlib.nullcontext():
+                result = _run_forward_rule(op, inputs, params, in_tree, fake=first)
         except FuncteError:
             raise
         except Exception as e:
             try:
-                # Fake tensors on the real device: a function that uses a tensor it captured (an opaque
-                # function's constant) cannot mix it with meta tensors, but can with fake ones.
-                with _quiet_fake_tensor_log():
-                    result = _run_forward_rule(op, inputs, params, in_tree, fake=True)
+                with _quiet_fake_tensor_log() if second else contextlib.nullcontext():
+                    result = _run_forward_rule(op, inputs, params, in_tree, fake=second)
             except FuncteError:
                 raise
             except Exception:
@@ -838,7 +846,8 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
     def fwd(*args, **static):
         if forward_ad_active():
             _refuse_captured_tangents(fn, label, args)
-        rng = RandomState(args)  # (before fn draws: the backward replays the same draws)
+        # (before fn draws: the backward replays the same draws, also from generators it reaches)
+        rng = RandomState(args, _generators(fn, static))
         versions = [_version(a) for a in args]
         out = fn(*args, **static)
         _refuse_written_arguments(label, args, versions)
@@ -861,6 +870,12 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
     # (before the op's Function: inside its forward a torch.func wrapper shows no tangent)
     op.precheck = functools.partial(_refuse_captured_transformed, fn, label)
     return op
+
+
+def _generators(fn: Callable, static: dict) -> tuple[torch.Generator, ...]:
+    """The ``torch.Generator`` objects ``fn`` reaches by name or takes as a static argument."""
+    found = [v for v in (*_named_values(fn), *static.values()) if isinstance(v, torch.Generator)]
+    return tuple({id(g): g for g in found}.values())
 
 
 class _CapturedState:

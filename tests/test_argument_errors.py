@@ -173,12 +173,11 @@ def test_torch_keywords_are_recorded_or_refused_by_name():
     w, y = make((3, 8)), make((4, 8))
     fused = functe.fuse(lambda x, y, w: F.linear(input=x.sub(y, alpha=2), weight=w))
     assert torch.equal(fused(X, y, w), F.linear(X - 2 * y, w))
-    for fn, call in [
-        (lambda x: x.div(2, rounding_mode="floor"), r"Tensor\.div\(f32\[4,8\], int, rounding_mode=str\)"),
-        (lambda x: x.reshape(shape=(32,)), r"Tensor\.reshape\(f32\[4,8\], shape=tuple\)"),
-    ]:
-        with pytest.raises(functe.TraceError, match=call + " on a traced value cannot be recorded"):
-            functe.trace(fn)(X)
+    with pytest.raises(
+        functe.TraceError, match=r"Tensor\.div\(f32\[4,8\], int, rounding_mode='floor'\) on a traced value cannot be"
+    ):
+        functe.trace(lambda x: x.div(2, rounding_mode="floor"))(X)
+    assert torch.equal(functe.fuse(lambda x: x.reshape(shape=(32,)))(X), X.reshape(32))  # (torch's keyword)
     with pytest.raises(functe.TraceError, match=r"Tensor\.view: functe\.reshape: argument 'shape' expected a tuple"):
         functe.trace(lambda x: x.view(torch.int32))(X)
 

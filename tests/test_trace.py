@@ -389,3 +389,46 @@ def test_an_opaque_function_differentiates_complex_inputs_and_outputs():
         torch.func.grad(lambda x: spectrum(x).abs().sum())(x.detach()),
         torch.func.grad(lambda x: torch.fft.fft(x).abs().sum())(x.detach()),
     )
+
+
+_OWN_GENERATOR = torch.Generator().manual_seed(0)
+
+
+def _own_dropout(x):  # (dropout drawing from a dedicated generator the function reaches by name)
+    return x * (torch.rand(x.shape, generator=_OWN_GENERATOR) > 0.5).to(x.dtype) * 2.0
+
+
+def test_an_opaque_function_replays_the_draws_of_a_generator_it_reaches():
+    # Only torch's default generators were restored for the backward's recomputation: it drew a new
+    # mask from the advanced generator (a wrong gradient) and advanced it a second time.
+    op = functe.opaque(_own_dropout)
+    for run in (op, functe.fuse(lambda x: op(x))):
+        _OWN_GENERATOR.manual_seed(0)
+        x = torch.ones(4, 6, requires_grad=True)
+        y = run(x)
+        (dx,) = torch.autograd.grad(y.sum(), x)
+        assert torch.equal(dx, y.detach())  # (y = mask * 2, dy/dx the same mask * 2)
+        _OWN_GENERATOR.manual_seed(0)
+        _own_dropout(torch.ones(4, 6))
+        after_plain = _OWN_GENERATOR.get_state()
+        _OWN_GENERATOR.manual_seed(0)
+        run(torch.ones(4, 6, requires_grad=True)).sum().backward()
+        assert torch.equal(_OWN_GENERATOR.get_state(), after_plain)  # (advanced once, as unfused)
+    _OWN_GENERATOR.manual_seed(0)
+    dx = torch.func.grad(lambda x: op(x).sum())(torch.ones(4, 6))
+    _OWN_GENERATOR.manual_seed(0)
+    assert torch.equal(dx, _own_dropout(torch.ones(4, 6)))
+
+
+def _upcast_on_cpu(x):
+    return torch.tanh(x.float()) if x.device.type == "cpu" else torch.tanh(x)
+
+
+def test_an_opaque_function_is_traced_on_its_inputs_device():
+    # Its output types were inferred on meta tensors: a function branching on the device recorded
+    # the other branch's dtype (bf16 where it returns f32), and a fused op after it failed in torch.
+    act, x = functe.opaque(_upcast_on_cpu), make((4, 8), torch.bfloat16)
+    assert "f32[4,8] = opaque__upcast_on_cpu" in str(functe.trace(act)(x))
+    assert functe.fuse(act)(x).dtype == torch.float32
+    with pytest.raises(functe.DTypeError, match=r"functe\.linear: argument 'weight' expected dtype f32"):
+        functe.fuse(lambda x, w: ops.linear(act(x), w))(x, make((6, 8), torch.bfloat16))
