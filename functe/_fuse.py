@@ -47,7 +47,7 @@ from ._autocast import autocast_state, without_autocast
 from ._backend import any_tangent, get_backend, unaliased_outputs
 from ._errors import ArgumentError, TraceError, TransformError, called_as, check_callable, describe
 from ._kernel import batched, empty_batched, formula_twins
-from ._oplist import LEAF, Eqn, Literal, OpList, Var, flat_spec, without_dead_code
+from ._oplist import LEAF, Eqn, Literal, OpList, Var, _op_names, flat_spec, format_oplist, without_dead_code
 from ._recipe import check_recipe
 from ._rng import RandomState
 from ._trace import trace_call, vjp_call
@@ -704,7 +704,10 @@ class Plan:
 
     def explain(self) -> str:
         """The op list before and after each rewrite, rules fired and declined (see :func:`explain`)."""
-        lines = [f"functe.fuse({self.name}): program as traced", str(self.traced)]
+        # (one numbering of ops sharing a name for every section: each printout numbered its own,
+        # so one opaque op could be `#2` in the traced program and unsuffixed in a plan)
+        names = _op_names([*self.traced.eqns, *self.joint.eqns, *self.forward.eqns, *self.backward.eqns])
+        lines = [f"functe.fuse({self.name}): program as traced", format_oplist(self.traced, names)]
         dead = len(self.traced.eqns) - len(self.program.eqns)
         if dead:
             lines.append(f"dead code removed: {dead} equation(s) whose results reach no output")
@@ -717,8 +720,8 @@ class Plan:
             lines.append(f"  fired: {fired or 'none'}")
             for rule, where, reason in stats.declined:
                 lines.append(f"  declined: {rule} at {where}: {reason}")
-            lines.append(str(oplist) if stats.fired else "  (unchanged)")
-        kept = ", ".join(e.name for e in self.liveness.residuals)
+            lines.append(format_oplist(oplist, names) if stats.fired else "  (unchanged)")
+        kept = ", ".join(names.get(e.op, e.name) for e in self.liveness.residuals)
         lines.append(f"residuals kept for the backward plan: {kept or 'none'}")
         return "\n".join(lines)
 

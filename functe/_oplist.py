@@ -289,8 +289,9 @@ def _op_names(eqns: Iterable[Eqn]) -> dict[Any, str]:
     return names
 
 
-def format_oplist(oplist: OpList) -> str:
-    """The canonical jaxpr-style printout of ``oplist`` (see the module docstring)."""
+def format_oplist(oplist: OpList, op_names: dict[Any, str] | None = None) -> str:
+    """The canonical jaxpr-style printout of ``oplist`` (see the module docstring); ``op_names``
+    (from :func:`_op_names`) keeps one op's ``#2`` suffix across several printouts."""
     names = _var_names()
     env: dict[Var, str] = {}
 
@@ -307,7 +308,7 @@ def format_oplist(oplist: OpList) -> str:
 
     head = " ".join(define(v) for v in oplist.inputs)
     lines = [f"{{ lambda {head}. let" if head else "{ lambda . let"]
-    ops = _op_names(oplist.eqns)
+    ops = op_names if op_names is not None and all(e.op in op_names for e in oplist.eqns) else _op_names(oplist.eqns)
     for e in oplist.eqns:
         params = " ".join(f"{k}={_param_text(v)}" for k, v in sorted(e.params.items()))
         call = ops[e.op] + (f"[{params}]" if params else "")

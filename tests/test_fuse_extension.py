@@ -511,3 +511,22 @@ def test_a_user_op_given_shapes_that_do_not_fit_is_named_without_torchs_meta_log
     with pytest.raises(functe.TraceError, match=r"add_squared .* do its inputs \(f32\[3,4\], f32\[3,5\]\) fit"):
         functe.fuse(lambda x, r: add_squared(x, r))(torch.ones(3, 4), torch.ones(3, 5))
     assert "failed while attempting to run meta" not in capfd.readouterr().err
+
+
+_TANH = functe.opaque(lambda t: torch.tanh(t))
+_SIGMOID = functe.opaque(lambda t: torch.sigmoid(t))  # (both print as opaque_<lambda>)
+
+
+def test_explain_numbers_ops_that_share_a_name_once_for_every_section():
+    # Each printout numbered its own ops: with a dead first use of tanh removed, sigmoid became the
+    # unsuffixed opaque_<lambda> of the forward plan and tanh its #2; the residual line had no suffixes.
+    def program(x, w, r):
+        _TANH(x)  # (dead: removed before the rules run)
+        return _TANH(ops.linear(_SIGMOID(x), w) + r)
+
+    text = functe.fuse(program).plan(make((4, 8)), make((8, 8)), make((4, 8))).explain()
+    traced, rest = text.split("dead code removed")
+    assert "= opaque_<lambda>#2 a" in traced and "= opaque_<lambda> g" in traced  # (sigmoid #2, tanh plain)
+    plan = rest.split("forward plan:")[1].split("backward plan:")[0]
+    assert "= opaque_<lambda>#2 a" in plan and "= opaque_<lambda> e" in plan
+    assert text.rstrip().endswith("opaque_<lambda>#2, linear, add_extra_input, opaque_<lambda>")
