@@ -94,6 +94,19 @@ class Members:
         self.params = frozenset(params)
 
 
+class FoldMembers:
+    """Batching rule for a ``*_members`` kernel itself (a nested ``vmap``: an ensemble of ensembles).
+
+    Row arguments are ``[M, ...]`` (members on dimension 0); the outer vmapped dimension ``A`` is
+    folded into the members (``[A·M, ...]``, an unbatched one broadcast), ``params`` (γ, β: ``[N]``
+    or ``[M, N]``) widened to ``[A·M, N]`` where the outer level or the members vary them, and the
+    outputs unfolded to ``[A, M, ...]``: one launch, each member's bits as its own launch.
+    """
+
+    def __init__(self, params: Sequence[int] = ()):
+        self.params = frozenset(params)
+
+
 class Kernel:
     """A Triton launcher and its PyTorch twin, dispatched by device and backend.
 
@@ -103,7 +116,8 @@ class Kernel:
             custom-op schema); allocates and returns new tensors, never writes
             its inputs.
         twin: PyTorch function with the same signature and results.
-        batch: a :class:`Rowwise` or :class:`Members` rule, or ``None`` to vmap the twin.
+        batch: a :class:`Rowwise`, :class:`Members` or :class:`FoldMembers` rule, or ``None`` to
+            vmap the twin.
         fast_path: whether the twin (or a twin it calls) has a CPU fast path
             (``functe.kernels._fast.eager_cpu``) whose bits may differ from its
             differentiable formula; recorded calls then always run it through
@@ -119,7 +133,7 @@ class Kernel:
         launcher: Callable,
         twin: Callable,
         *,
-        batch: Rowwise | Members | None = None,
+        batch: Rowwise | Members | FoldMembers | None = None,
         fast_path: bool = True,
         quantizes: bool = False,
     ):
@@ -260,6 +274,8 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
 
     def vmap(info, in_dims, *args):
         rule = kernel.batch
+        if isinstance(rule, FoldMembers):
+            return _fold_members(kernel, rule, info.batch_size, in_dims, args)
         # (params beyond the passed arguments are defaulted, hence unbatched)
         batched_params = rule is not None and any(d is not None for i, d in enumerate(in_dims) if i in rule.params)
         if isinstance(rule, Members) or (batched_params and rule.members is not None):
@@ -400,6 +416,35 @@ def _fresh(value: Any, args: Sequence[Any]) -> Any:
     if isinstance(value, Tensor) and any(value is a for a in args):
         return value.view_as(value)
     return value
+
+
+def _fold_members(kernel: Kernel, rule: FoldMembers, outer: int, in_dims: tuple, args: tuple) -> tuple:
+    """A :class:`FoldMembers` kernel under an outer ``vmap`` of size ``outer`` (see there)."""
+    members = None  # (dimension 0 of a row argument, as the kernel sees it)
+    for i, (a, d) in enumerate(zip(args, in_dims)):
+        if i not in rule.params and isinstance(a, Tensor):
+            members = a.shape[1] if d == 0 else a.shape[0]  # (batched elsewhere: dimension 0 is still the members)
+            break
+    folded = []
+    for i, (a, d) in enumerate(zip(args, in_dims)):
+        if not isinstance(a, Tensor) or (i in rule.params and d is None and a.dim() == 1):
+            folded.append(a)  # (a number, or a γ shared by every member of every ensemble)
+            continue
+        front = a.movedim(d, 0) if d is not None else a.expand(outer, *a.shape)
+        if i in rule.params:  # ([A, N]: one γ per outer member, shared by its members; or [A, M, N])
+            if front.dim() == 2:
+                front = front[:, None, :].expand(outer, members, front.shape[-1])
+            folded.append(front.reshape(outer * members, front.shape[-1]))
+        else:
+            folded.append(front.reshape(outer * members, *front.shape[2:]))
+    out = kernel(*folded)
+
+    def unfold(t: Tensor) -> Tensor:
+        return t.reshape(outer, members, *t.shape[1:])
+
+    if isinstance(out, tuple):
+        return tuple(unfold(t) for t in out), tuple(0 for _ in out)
+    return unfold(out), 0
 
 
 def _to_front(value: Any, dim: int | None, size: int) -> Any:

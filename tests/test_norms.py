@@ -194,6 +194,26 @@ def test_an_ensembles_forward_launches_one_norm_kernel_with_each_members_bits(na
         assert torch.equal(got, torch.stack(parts))
 
 
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_an_ensemble_of_ensembles_launches_one_kernel_each_way_with_each_members_bits(name):
+    # A nested vmap called the members kernels under the outer level, which had no batching rule:
+    # their twins ran (torch ops on a GPU, other bits); the outer level now folds into the members.
+    loss, argnums = _loss_and_params(name)
+    params = [make((2, 3, 13), torch.float32) for _ in argnums[:-1]]  # (2 ensembles of 3 members)
+    x, t = make((2, 5, 13), torch.float32), make((2, 3, 5, 13), torch.float32)  # (x: one per ensemble)
+    grad = torch.func.grad(loss, argnums=argnums[:-1])
+    inner = torch.vmap(grad, in_dims=(*[0] * len(params), None, 0))
+    with functe.use_backend("interpret"), _triton.record_launches() as log:
+        nested = torch.vmap(inner)(*params, x, t)
+    launched = [launch[0] for launch in log]
+    assert launched == [norm_kernels._norm_fwd_kernel, norm_kernels._norm_bwd_kernel], [k.__name__ for k in launched]
+    assert log[0][3][0] // log[0][1][10] == 6  # (programs / programs_per_member: 2 x 3 members)
+    with functe.use_backend("interpret"):
+        alone = [[grad(*(p[a, m] for p in params), x[a], t[a, m]) for m in range(3)] for a in range(2)]
+    for k, got in enumerate(nested):
+        assert torch.equal(got, torch.stack([torch.stack([alone[a][m][k] for m in range(3)]) for a in range(2)]))
+
+
 def test_second_derivatives_through_the_members_kernel(backend):
     # grad of a function of per-example γ-gradients (a per-example gradient penalty) differentiates
     # the members kernel through its twin

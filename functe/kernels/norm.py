@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .._errors import ShapeError, describe, describe_shape, shape_error
-from .._kernel import Kernel, Members, Rowwise
+from .._kernel import FoldMembers, Kernel, Members, Rowwise
 from ._common import as_dtype, as_rows, compute_dtype, rows_view, shaped, tl_compute_dtype
 from ._fast import CHUNK_ELEMENTS, eager_cpu, parallel_chunks
 from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
@@ -955,19 +955,38 @@ def _rms_bwd_fast(dy, x, gamma, eps, kind, accum=None):
 # Forward kernels batch over rows; a batched γ or β (an ensemble) runs the ``*_members`` kernel.
 # The backward kernels reduce over rows into dγ/dβ: a vmapped call runs the ``*_members`` kernel, one
 # launch whose dγ (and dβ) stay per member (vmap(grad): per-example gradients of γ, or an ensemble).
-LAYER_NORM_MEMBERS = Kernel("layer_norm_members", layer_norm_members, layer_norm_members_ref, fast_path=False)
-RMS_NORM_MEMBERS = Kernel("rms_norm_members", rms_norm_members, rms_norm_members_ref, fast_path=False)
+# (the members kernels fold an outer vmap, an ensemble of ensembles, into their members)
+LAYER_NORM_MEMBERS = Kernel(
+    "layer_norm_members", layer_norm_members, layer_norm_members_ref, batch=FoldMembers((1, 2)), fast_path=False
+)
+RMS_NORM_MEMBERS = Kernel(
+    "rms_norm_members", rms_norm_members, rms_norm_members_ref, batch=FoldMembers((1,)), fast_path=False
+)
 LAYER_NORM = Kernel("layer_norm", layer_norm, layer_norm_ref, batch=Rowwise(params=(1, 2), members=LAYER_NORM_MEMBERS))
 RMS_NORM = Kernel("rms_norm", rms_norm, rms_norm_ref, batch=Rowwise(params=(1,), members=RMS_NORM_MEMBERS))
 LAYER_NORM_BWD_MEMBERS = Kernel(
-    "layer_norm_bwd_members", layer_norm_bwd_members, layer_norm_bwd_members_ref, fast_path=False
+    "layer_norm_bwd_members",
+    layer_norm_bwd_members,
+    layer_norm_bwd_members_ref,
+    batch=FoldMembers((4,)),
+    fast_path=False,
 )
-RMS_NORM_BWD_MEMBERS = Kernel("rms_norm_bwd_members", rms_norm_bwd_members, rms_norm_bwd_members_ref, fast_path=False)
+RMS_NORM_BWD_MEMBERS = Kernel(
+    "rms_norm_bwd_members", rms_norm_bwd_members, rms_norm_bwd_members_ref, batch=FoldMembers((2,)), fast_path=False
+)
 LAYER_NORM_BWD_ADD_MEMBERS = Kernel(
-    "layer_norm_bwd_add_members", layer_norm_bwd_add_members, layer_norm_bwd_add_members_ref, fast_path=False
+    "layer_norm_bwd_add_members",
+    layer_norm_bwd_add_members,
+    layer_norm_bwd_add_members_ref,
+    batch=FoldMembers((4,)),
+    fast_path=False,
 )
 RMS_NORM_BWD_ADD_MEMBERS = Kernel(
-    "rms_norm_bwd_add_members", rms_norm_bwd_add_members, rms_norm_bwd_add_members_ref, fast_path=False
+    "rms_norm_bwd_add_members",
+    rms_norm_bwd_add_members,
+    rms_norm_bwd_add_members_ref,
+    batch=FoldMembers((2,)),
+    fast_path=False,
 )
 LAYER_NORM_BWD = Kernel(
     "layer_norm_bwd", layer_norm_bwd, layer_norm_bwd_ref, batch=Members(LAYER_NORM_BWD_MEMBERS, params=(4,))
