@@ -341,8 +341,10 @@ def _next_leaf(new: Tensor, old: Tensor) -> Tensor:
     leaf = new.detach()
     if not old.requires_grad:
         return leaf
-    # (a transform's wrapper: requires_grad is the transform's business; Dynamo cannot ask)
-    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(old):
+    # (a transform's wrapper, the old state's or a vmapped cotangent's: requires_grad is the
+    # transform's business, mark the leaves outside it; Dynamo cannot ask)
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if not torch.compiler.is_compiling() and (wrapped(old) or wrapped(leaf)):
         return leaf
     return leaf.requires_grad_()
 

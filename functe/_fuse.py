@@ -1046,18 +1046,41 @@ class Fused:
         self.stale_retraces = 0  # of trace_count: retraces of a plan whose folded constants went stale
         self._fake_slot: tuple[tuple, int] | None = None  # (key, index) of the plan traced under a fake mode
         self._mode_modules: list[torch.nn.Module] | None = None  # (see _training_flags)
+        self._called: dict[int, torch.nn.Module] = {}  # modules traces called (see _training_flags)
+        self._modules_epoch = -1  # (_REGISTRATIONS when _mode_modules was found)
+        self._structure = 0  # (bumped when the module tree changed: a key entry)
 
-    def _training_flags(self) -> tuple[bool, ...]:
-        """The ``training`` flag of every module the function reaches by name and of their submodules.
+    def _training_flags(self) -> tuple:
+        """``(structure, flag, ...)``: the ``training`` flag of every module the function reaches by
+        name or a trace called, and of their submodules; ``()`` when there are none.
 
         A trace reads them once (``if self.training: dropout``), so plans are keyed by them: after
-        ``model.eval()`` a plan traced in training kept dropping units. (The modules are found at the
-        first call, not by ``fuse``: a module being unpickled or deep-copied is not built yet; and
-        again at each trace: a submodule added since is found by the retrace its rebinding causes.)
+        ``model.eval()`` a plan traced in training kept dropping units. The module tree is found
+        again after any submodule registration (anywhere: a global counter, one comparison per
+        call): a replaced submodule without tensors (an activation module) ran the old one's code.
+        (Not found by ``fuse``: a module being unpickled or deep-copied is not built yet.)
         """
-        if self._mode_modules is None:
-            self._mode_modules = _submodules(self.__wrapped__)
-        return tuple(m.training for m in self._mode_modules)
+        if self._modules_epoch != _REGISTRATIONS[0]:
+            self._find_modules()
+        modules = self._mode_modules  # (~0.2 us per module on the 2-core CI machine: map, not a genexpr)
+        return (self._structure, *map(_TRAINING, modules)) if modules else ()
+
+    def _flags_now(self) -> tuple:
+        """:meth:`_training_flags` of the modules found last, as compiled code reads them (the count
+        of registrations moves with every compile, whose graph modules register submodules; Dynamo
+        cannot call an attrgetter)."""
+        modules = self._mode_modules
+        return (self._structure, *(m.training for m in modules)) if modules else ()
+
+    def _find_modules(self) -> None:
+        _count_module_registrations()
+        self._modules_epoch = _REGISTRATIONS[0]
+        found = {id(m): m for m in _submodules(self.__wrapped__)}
+        for module in self._called.values():
+            found.update((id(m), m) for m in module.modules())
+        if self._mode_modules is None or list(found) != list(map(id, self._mode_modules)):
+            self._mode_modules = list(found.values())  # (else the same list: Dynamo guards it)
+            self._structure += 1
 
     def __call__(self, *args, **kwargs):
         if _trace.tracing():
@@ -1071,7 +1094,7 @@ class Fused:
             # (the backend and the modules' training flags: arguments, so that Dynamo guards them;
             # the modules are found outside the graph first, so that the list Dynamo reads is final)
             _find_mode_modules(self)
-            index, order = _compiled_plan_index(self, key, get_backend(), self._training_flags())
+            index, order = _compiled_plan_index(self, key, get_backend(), self._flags_now())
             plan = _compiled_plan(self, index)
             # A plan that folded computations on captured tensors (`w.to(bf16)`) must see their
             # in-place updates, which no Dynamo guard does (a version counter is data): the check
@@ -1134,6 +1157,30 @@ class Fused:
         """The plan index and plan for these arguments (tracing on a new signature) and their tensor
         leaves. (The plan itself, not only its index: a fake call's slot may be replaced meanwhile.)"""
         leaves, spec = tree_flatten((args, kwargs))
+        tensors, key, fake = self._key(leaves, args, kwargs, spec)
+        try:
+            index = self._index.get(key)
+        except TypeError:
+            if any(not isinstance(d, int) for t in tensors for d in t.shape):
+                raise TraceError(
+                    f"functe.fuse({self.__name__}): symbolic shapes ({describe(tensors[0])}; make_fx's "
+                    "tracing_mode='symbolic', a dynamic torch.export Dim) cannot key a plan: a fused function "
+                    "is planned per concrete shape; trace it with concrete shapes, or use the unfused ops"
+                ) from None
+            raise _unhashable_error(self, leaves, spec) from None
+        if fake is not None:
+            with _trace.TRACE_LOCK:  # (the slot is shared: another thread's fake call may replace it)
+                return (*self._fake_plan(key, leaves, args, kwargs), tensors)
+        if index is None:
+            index = self._new_plan(key, leaves, args, kwargs)
+        elif self._plans[index].watches and self._plans[index].stale():
+            index = self._new_plan(key, leaves, args, kwargs, stale=index)
+        return index, self._plans[index], tensors
+
+    def _key(self, leaves: list, args, kwargs, spec=None) -> tuple[list[Tensor], tuple, Any]:
+        """The tensor leaves of a call, its plan key and the FakeTensorMode in force (or ``None``)."""
+        if spec is None:
+            spec = tree_flatten((args, kwargs))[1]
         # (optree's spec equality ignores dict insertion order and 1 == 1.0 == True keys; fn may not)
         tensors, key = [], [spec, _dict_keys((args, kwargs))]
         for x in leaves:  # (one pass: this is the cached call's main cost besides the ops)
@@ -1159,25 +1206,7 @@ class Fused:
             # real call, or another fake mode, cannot use: the plans are kept apart; weakly, so
             # that the key alone keeps no mode alive)
             key.append(weakref.ref(fake))
-        key = tuple(key)
-        try:
-            index = self._index.get(key)
-        except TypeError:
-            if any(not isinstance(d, int) for t in tensors for d in t.shape):
-                raise TraceError(
-                    f"functe.fuse({self.__name__}): symbolic shapes ({describe(tensors[0])}; make_fx's "
-                    "tracing_mode='symbolic', a dynamic torch.export Dim) cannot key a plan: a fused function "
-                    "is planned per concrete shape; trace it with concrete shapes, or use the unfused ops"
-                ) from None
-            raise _unhashable_error(self, leaves, spec) from None
-        if fake is not None:
-            with _trace.TRACE_LOCK:  # (the slot is shared: another thread's fake call may replace it)
-                return (*self._fake_plan(key, leaves, args, kwargs), tensors)
-        if index is None:
-            index = self._new_plan(key, leaves, args, kwargs)
-        elif self._plans[index].watches and self._plans[index].stale():
-            index = self._new_plan(key, leaves, args, kwargs, stale=index)
-        return index, self._plans[index], tensors
+        return tensors, tuple(key), fake
 
     def _fake_plan(self, key: tuple, leaves: list, args, kwargs) -> tuple[int, Plan]:
         """The plan of a call under a FakeTensorMode (with ``TRACE_LOCK`` held). Fake calls share one
@@ -1207,7 +1236,8 @@ class Fused:
             if index is not None and (stale is None or not self._plans[index].stale()):
                 return index
             sources: dict[int, Tensor] = {}
-            program = trace_call(self.__wrapped__, args, kwargs, sources)
+            called: list[torch.nn.Module] = []
+            program = trace_call(self.__wrapped__, args, kwargs, sources, called)
             self.trace_count += 1
             plan = Plan(
                 program,
@@ -1220,9 +1250,12 @@ class Fused:
             # (the modules fn reaches by name: a plan that took some of their parameters or buffers
             # as constants checks at each call that their names still give those tensors)
             modules = {id(v): v for v in _trace._reached(self.__wrapped__) if isinstance(v, torch.nn.Module)}
-            found = _submodules(self.__wrapped__)
-            if self._mode_modules is None or list(map(id, found)) != list(map(id, self._mode_modules)):
-                self._mode_modules = found  # (else the same list: Dynamo guards it)
+            # (the modules it called: a module passed as an argument, held in a dict or an object)
+            self._called.update((id(m), m) for m in called)
+            self._find_modules()
+            # (the key as the next call computes it, with the modules this trace found: so that it
+            # finds this plan instead of tracing again)
+            rekeyed = self._key(leaves, args, kwargs)[1] if slot is None else key
             if modules:
                 plan.bind(list(modules.values()), list(sources.values()))
             if slot is not None:  # (a fake call's plan replacing the last one: see _lookup)
@@ -1231,6 +1264,7 @@ class Fused:
                 self._index[key] = slot
                 return slot
             if stale is not None:  # (same signature: the plan is replaced in place)
+                self._index[rekeyed] = stale
                 self._plans[stale] = plan
                 setattr(self, f"_plan{stale}", plan)
                 self.stale_retraces += 1
@@ -1238,7 +1272,7 @@ class Fused:
                     self._warn_stale(plan)
                 return stale
             self._plans.append(plan)
-            index = self._index[key] = len(self._plans) - 1
+            index = self._index[key] = self._index[rekeyed] = len(self._plans) - 1
             setattr(self, f"_plan{index}", plan)  # (what compiled code reads: see _compiled_plan)
             if len(self._plans) == RETRACE_WARNING:  # (signatures: stale retraces warn on their own)
                 self._warn_retracing(key, leaves)
@@ -1267,6 +1301,10 @@ class Fused:
                 if old != new and not isinstance(leaf, Tensor):
                     changed.append(f"{_shown(old)} -> {_shown(new)}")
         what = f"static leaves changed: {', '.join(changed)}; " if changed else ""
+        flags = self._training_flags()
+        if flags and previous is not None and flags not in previous[len(leaves) + 2 :]:
+            # (the modules' training flags key the plans too: toggling layers one by one makes plans)
+            what += "the training flags of the modules it reaches changed (each combination has its plan); "
         warnings.warn(
             f"functe.fuse({self.__name__}) has traced {len(self._plans)} input signatures (each plan is kept); "
             f"{what}non-tensor arguments are static, so a value that changes every call (a step count, a "
@@ -1539,6 +1577,25 @@ def _submodules(fn: Callable) -> list[torch.nn.Module]:
         if isinstance(v, torch.nn.Module):
             found.update((id(m), m) for m in v.modules())
     return list(found.values())
+
+
+_TRAINING = operator.attrgetter("training")
+
+# Submodule registrations anywhere (`model.act = GELU()`, add_module), counted by a global hook
+# installed when a fused function first reaches a module: a changed count makes each fused function
+# look for its module tree again (see Fused._training_flags).
+_REGISTRATIONS = [0]
+_REGISTRATION_HOOK: list = []
+
+
+def _count_module_registrations() -> None:
+    if not _REGISTRATION_HOOK:
+
+        def registered(module, name, submodule):
+            _REGISTRATIONS[0] += 1
+
+        registered._functe_check = True  # (no user hook: see _trace._refusing_module_hooks)
+        _REGISTRATION_HOOK.append(torch.nn.modules.module.register_module_module_registration_hook(registered))
 
 
 @torch._dynamo.assume_constant_result

@@ -237,6 +237,15 @@ def test_the_classic_route_threads_the_returned_state_as_leaves(retain_graph):
         assert torch.equal(got.detach(), exp)
 
 
+def test_vmapped_cotangents_of_trainable_state_leaves_give_detached_leaves():
+    # (requires_grad_() on a vmapped next state raised inside the transform: mark leaves outside it)
+    recipe = DelayedScaling(amax_history_len=4)
+    state = functe.tree_map(lambda t: t.requires_grad_(), functe.init_linear_scaling_state(recipe))
+    grads = functe.tree_map(lambda t: torch.zeros(3, *t.shape), functe.init_linear_scaling_state(recipe))
+    nxt = torch.vmap(functe.state_from_gradient, in_dims=(None, 0))(state, grads)
+    assert all(t.shape[0] == 3 and not t.requires_grad for t in functe.tree_leaves(nxt))
+
+
 def test_a_state_from_value_and_grad_over_trainable_parameters_holds_no_graph():
     # Parameters that require grad make torch.func's results carry the outer autograd graph; the next
     # state carried it too, and fed into the next step it chained every step's graph (saved FP8

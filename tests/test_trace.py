@@ -361,6 +361,8 @@ def test_formatting_a_traced_value_logs_like_str_and_refusals_show_keywords():
 
     functe.fuse(block)(make((4, 8)), make((6, 8)))
     assert shown == ["Tracer(f32[4,6])     Tracer(f32[4,6])"]
+    with pytest.raises(functe.TraceError, match=r"Tensor\.__format__\(f32\[4,8\], str\) on a traced value"):
+        functe.trace(lambda x: f"{x:.4f}")(make((4, 8)))  # (a format spec reads the value)
     with pytest.raises(functe.TraceError, match=r"Tensor\.sum\(f32\[4,8\], dim=-1, keepdim=True\)"):
         functe.trace(lambda x: x.sum(dim=-1, keepdim=True))(make((4, 8)))
 

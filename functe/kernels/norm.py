@@ -749,9 +749,16 @@ def layer_norm_members_ref(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """PyTorch twin of :func:`layer_norm_members`."""
     acc = compute_dtype(x.dtype)
-    xhat, rstd, mean = _normalize(x.to(acc), eps, "layer")
+    xhat, rstd, mean = _normalize(_one_member(x).to(acc), eps, "layer")
     y = xhat * _member_gamma(weight, x, zero_centered_gamma, acc) + _member_param(bias.to(acc), x)
-    return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
+    stats = x.shape[:-1]
+    return y.to(x.dtype), mean.squeeze(-1).expand(stats).contiguous(), rstd.squeeze(-1).expand(stats).contiguous()
+
+
+def _one_member(x: Tensor) -> Tensor:
+    """x, or its one member when every member shares it (stride 0: an ensemble's common input,
+    normalized once and broadcast against the members' γ instead of once per member)."""
+    return x[:1] if x.dim() >= 2 and x.shape[0] > 1 and x.stride(0) == 0 else x
 
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
@@ -767,8 +774,8 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: boo
 def rms_norm_members_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool) -> Tensor:
     """PyTorch twin of :func:`rms_norm_members`."""
     acc = compute_dtype(x.dtype)
-    xhat, _, _ = _normalize(x.to(acc), eps, "rms")
-    return (xhat * _member_gamma(weight, x, zero_centered_gamma, acc)).to(x.dtype)
+    xhat, _, _ = _normalize(_one_member(x).to(acc), eps, "rms")
+    return (xhat * _member_gamma(weight, x, zero_centered_gamma, acc)).expand(x.shape).to(x.dtype)
 
 
 def rms_norm_bwd_ref(
