@@ -1271,6 +1271,14 @@ def _same(x, *args, **kwargs):
     return x
 
 
+def _dropout_off(input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` that is the identity (``nn.Dropout`` in eval mode, ``p = 0``); one that drops is
+    refused (its draw would happen once, at trace time: functe.ops.dropout takes a seed)."""
+    if training and p != 0:
+        raise TypeError("dropout in training draws random numbers: use functe.ops.dropout(x, p, seed=...)")
+    return input
+
+
 def _to(x, *args, **kwargs):
     # No-op conversions and floating-point dtype changes (the cast op) are recorded: a device
     # change has no op. (x.to(other) takes other's dtype and device.)
@@ -1327,6 +1335,7 @@ _TRANSLATIONS: dict[Any, Callable] = {
     torch.reshape: _torch_reshape,
     torch.nn.functional.linear: _linear,
     T.contiguous: _same,
+    torch.nn.functional.dropout: _dropout_off,
     T.to: _to,
     T.float: lambda x: _to(x, torch.float32),
     T.half: lambda x: _to(x, torch.float16),

@@ -434,3 +434,16 @@ def test_an_opaque_function_is_traced_on_its_inputs_device():
     assert functe.fuse(act)(x).dtype == torch.float32
     with pytest.raises(functe.DTypeError, match=r"functe\.linear: argument 'weight' expected dtype f32"):
         functe.fuse(lambda x, w: ops.linear(act(x), w))(x, make((6, 8), torch.bfloat16))
+
+
+def test_dropout_that_is_off_traces_as_the_identity():
+    # nn.Dropout in eval mode (F.dropout(training=False)) or p = 0 was refused on a traced value, so
+    # an ordinary transformer module could not be fused for evaluation; dropping is still refused.
+    model, x = torch.nn.Sequential(torch.nn.Dropout(0.5)), make((4, 8))
+    fused = functe.fuse(lambda x: ops.gelu(model(x)))
+    model.eval()
+    assert torch.equal(fused(x), ops.gelu(x))
+    assert torch.equal(functe.fuse(lambda x: F.dropout(ops.gelu(x), p=0.0))(x), ops.gelu(x))
+    model.train()
+    with pytest.raises(functe.TraceError, match=r"dropout draws random numbers inside a traced function"):
+        fused(x)
