@@ -630,10 +630,18 @@ class Plan:
         ``variant``: the one running as the node, ``None`` for ``infer``."""
         for t in self._captured:
             if t.requires_grad:
+                # (a module's parameter: named, and the remedy for a module, which takes no parameters)
+                named = [".".join((*path, name)) for _, path, name, bound, *_ in self.bindings if bound is t]
+                what = f"{describe(t)} (the module's {named[0]!r})" if named else describe(t)
+                remedy = (
+                    "call the unfused module, or fuse a function taking its parameters "
+                    "(torch.func.functional_call), or freeze it (requires_grad_(False))"
+                    if named
+                    else "pass it to the fused function as an argument"
+                )
                 raise TraceError(
-                    f"functe.fuse({self.name}): a tensor {describe(t)} captured from the enclosing scope as a constant "
-                    "requires gradients now; pass it to the fused function as an argument, otherwise its gradient "
-                    "would be silently lost"
+                    f"functe.fuse({self.name}): a tensor {what} captured from the enclosing scope as a constant "
+                    f"requires gradients; {remedy}, otherwise its gradient would be silently lost"
                 )
         if variant is not None:
             for e in variant.dead_opaque:
