@@ -1054,7 +1054,9 @@ class Fused:
         self.stale_retraces = 0  # of trace_count: retraces of a plan whose folded constants went stale
         self._fake_slot: tuple[tuple, int] | None = None  # (key, index) of the plan traced under a fake mode
         self._mode_modules: list[torch.nn.Module] | None = None  # (see _training_flags)
-        self._called: dict[int, torch.nn.Module] = {}  # modules traces called (see _training_flags)
+        # modules traces called (see _training_flags), weakly: one made inside the function, or a model
+        # passed as an argument once, is not kept alive by the fused function
+        self._called: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self._modules_epoch = -1  # (_REGISTRATIONS when _mode_modules was found)
         self._structure = 0  # (bumped when the module tree changed: a key entry)
 
@@ -1064,8 +1066,9 @@ class Fused:
 
         A trace reads them once (``if self.training: dropout``), so plans are keyed by them: after
         ``model.eval()`` a plan traced in training kept dropping units. The module tree is found
-        again after any submodule registration (anywhere: a global counter, one comparison per
-        call): a replaced submodule without tensors (an activation module) ran the old one's code.
+        again after a submodule registration on a module some fused function tracks (a global
+        counter, one comparison per call): a replaced submodule without tensors (an activation
+        module) ran the old one's code.
         (Not found by ``fuse``: a module being unpickled or deep-copied is not built yet.)
         """
         if self._modules_epoch != _REGISTRATIONS[0]:
@@ -1083,12 +1086,17 @@ class Fused:
     def _find_modules(self) -> None:
         _count_module_registrations()
         self._modules_epoch = _REGISTRATIONS[0]
+        # (the last list dropped first: a module only it and the weak `_called` hold, one a trace made
+        # inside the function, is freed rather than carried into every later list)
+        old = None if self._mode_modules is None else list(map(id, self._mode_modules))
+        self._mode_modules = None
         found = {id(m): m for m in _submodules(self.__wrapped__)}
-        for module in self._called.values():
+        for module in list(self._called.values()):
             found.update((id(m), m) for m in module.modules())
-        if self._mode_modules is None or list(found) != list(map(id, self._mode_modules)):
-            self._mode_modules = list(found.values())  # (else the same list: Dynamo guards it)
+        if old is None or list(found) != old:
             self._structure += 1
+        self._mode_modules = list(found.values())  # (equal when nothing changed: Dynamo guards it by ==)
+        _TRACKED.update(self._mode_modules)
 
     def __call__(self, *args, **kwargs):
         if _trace.tracing():
@@ -1263,7 +1271,8 @@ class Fused:
             self._find_modules()
             # (the key as the next call computes it, with the modules this trace found: so that it
             # finds this plan instead of tracing again)
-            rekeyed = self._key(leaves, args, kwargs)[1] if slot is None else key
+            # (not for a fake call: its one slot is found and replaced by the key it was traced for)
+            rekeyed = self._key(leaves, args, kwargs)[1] if _active_fake_mode() is None else key
             if modules:
                 plan.bind(list(modules.values()), list(sources.values()))
             if slot is not None:  # (a fake call's plan replacing the last one: see _lookup)
@@ -1589,18 +1598,22 @@ def _submodules(fn: Callable) -> list[torch.nn.Module]:
 
 _TRAINING = operator.attrgetter("training")
 
-# Submodule registrations anywhere (`model.act = GELU()`, add_module), counted by a global hook
-# installed when a fused function first reaches a module: a changed count makes each fused function
-# look for its module tree again (see Fused._training_flags).
+# Submodule registrations (`model.act = GELU()`, add_module) on a module some fused function tracks,
+# counted by a global hook installed when a fused function first looks for modules: a changed count
+# makes each fused function look for its module tree again (see Fused._training_flags). Other
+# registrations (a model built elsewhere, make_fx's graph modules) do not count: every fused
+# function walked its tree again after each (501 modules: +2.3 ms on the next call).
 _REGISTRATIONS = [0]
 _REGISTRATION_HOOK: list = []
+_TRACKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def _count_module_registrations() -> None:
     if not _REGISTRATION_HOOK:
 
         def registered(module, name, submodule):
-            _REGISTRATIONS[0] += 1
+            if module in _TRACKED:
+                _REGISTRATIONS[0] += 1
 
         registered._functe_check = True  # (no user hook: see _trace._refusing_module_hooks)
         _REGISTRATION_HOOK.append(torch.nn.modules.module.register_module_module_registration_hook(registered))

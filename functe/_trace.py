@@ -497,11 +497,29 @@ class _DrawWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") is None:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-            if not any(t.device.type == "meta" or isinstance(t, FakeTensor) for t in tensors):
-                raise TraceError(_moved_message("draws from torch's default random generator", func))
-        return func(*args, **kwargs)
+        if _active is None or torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator"):
+            return func(*args, **kwargs)  # (not recording: a shape run of an opaque op, under a fake mode)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if any(t.device.type == "meta" or isinstance(t, FakeTensor) for t in tensors):
+            return func(*args, **kwargs)
+        # The tag also marks ops that draw only sometimes (dropout_p = 0 attention, rrelu or
+        # native_dropout in eval, an RNN): refused only if the op's generator moved. (Another thread
+        # drawing during this one op would be taken for it: the window is the op's run.)
+        device = next((t.device for t in tensors), kwargs.get("device") or torch.device("cpu"))
+        generator = _default_generator(torch.device(device))
+        state = generator.get_state() if generator is not None else None
+        out = func(*args, **kwargs)
+        if state is not None and not torch.equal(generator.get_state(), state):
+            raise TraceError(_moved_message("draws from torch's default random generator", func))
+        return out
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
 
 
 def _moved_message(what: str, func: Any = None) -> str:
@@ -881,17 +899,13 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
     """The op :func:`opaque` makes for ``fn``, not memoised (a deep copy's own op: see
     ``CustomVJP.__deepcopy__``)."""
     label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"
-    reached_generators: list[tuple[torch.Generator, ...]] = []
 
     def fwd(*args, **static):
         if forward_ad_active():
             _refuse_captured_tangents(fn, label, args)
         # (before fn draws: the backward replays the same draws, also from generators it reaches;
-        # those found at its first call: walking what fn reaches costs ~15 us per call)
-        if not reached_generators:
-            reached_generators.append(_generators(fn, {}))
-        passed = tuple(g for g in static.values() if isinstance(g, torch.Generator))
-        rng = RandomState(args, reached_generators[0] + passed)
+        # looked up per call, ~15 us: a name rebound to a new generator each epoch is found)
+        rng = RandomState(args, _generators(fn, static))
         versions = [_version(a) for a in args]
         out = fn(*args, **static)
         _refuse_written_arguments(label, args, versions)

@@ -642,6 +642,13 @@ def test_a_plan_traced_under_a_fake_mode_serves_only_that_mode():
             assert isinstance(out, FakeTensor) and out.shape == expected.shape
             assert torch.equal(fused(x, w), expected)
             assert fused.trace_count == 2
+    # a module found by the trace (passed as an argument) re-keyed the plan: the fake slot's other
+    # key kept pointing at the slot, which then held another signature's plan
+    linear = torch.nn.Linear(4, 4).requires_grad_(False)
+    fused = functe.fuse(lambda m, x: m(x).reshape(x.shape[0] * 4))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        for n in (2, 3, 2):
+            assert fused(linear, mode.from_tensor(make((n, 4)))).shape == (n * 4,)
 
 
 @pytest.mark.parametrize("tracing_mode", ["real", "fake"])

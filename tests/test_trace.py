@@ -447,3 +447,29 @@ def test_dropout_that_is_off_traces_as_the_identity():
     model.train()
     with pytest.raises(functe.TraceError, match=r"dropout draws random numbers inside a traced function"):
         fused(x)
+
+
+def test_draw_checks_spare_ops_that_do_not_draw_shape_runs_and_rebound_generators():
+    # The draw watch refused every op tagged nondeterministic_seeded: attention with dropout_p = 0 on
+    # captured constants, and an opaque op's fake shape run of torch.randn under a fake mode.
+    q = make((1, 2, 4, 8))
+    fn = lambda x: ops.add_extra_input(x, F.scaled_dot_product_attention(q, q, q, dropout_p=0.0).reshape(8, 8))
+    x = make((8, 8))
+    assert torch.equal(functe.fuse(fn)(x), fn(x))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    noisy = functe.opaque(lambda x: x + torch.randn(x.shape))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        assert functe.fuse(lambda x: noisy(x))(mode.from_tensor(x)).shape == (8, 8)
+    # an opaque function whose generator name is rebound (a fresh generator per epoch): the first
+    # generator found was replayed, and the backward differentiated another mask
+    global _OWN_GENERATOR
+    op, saved = functe.opaque(_own_dropout), _OWN_GENERATOR
+    try:
+        for seed in range(3):
+            _OWN_GENERATOR = torch.Generator().manual_seed(seed)
+            x = torch.ones(4, 6, requires_grad=True)
+            y = op(x)
+            assert torch.equal(torch.autograd.grad(y.sum(), x)[0], y.detach())
+    finally:
+        _OWN_GENERATOR = saved

@@ -750,7 +750,7 @@ def layer_norm_members_ref(
     """PyTorch twin of :func:`layer_norm_members`."""
     acc = compute_dtype(x.dtype)
     xhat, rstd, mean = _normalize(_one_member(x).to(acc), eps, "layer")
-    y = xhat * _member_gamma(weight, x, zero_centered_gamma, acc) + _member_param(bias.to(acc), x)
+    y = (xhat * _member_gamma(weight, x, zero_centered_gamma, acc) + _member_param(bias.to(acc), x)).expand(x.shape)
     stats = x.shape[:-1]
     return y.to(x.dtype), mean.squeeze(-1).expand(stats).contiguous(), rstd.squeeze(-1).expand(stats).contiguous()
 
