@@ -541,11 +541,12 @@ def _refusing_generator_changes(fn: Callable, static: Any):
     (per thread: another thread's draws are its own) sees every aten op that draws from a default
     generator (``torch.dropout``, ``F.dropout2d``, ``nn.init.normal_``, the ``exponential_`` inside
     ``F.gumbel_softmax``), and the states of the ``torch.Generator`` objects the function reaches
-    by name or takes as arguments are compared before and after (their ``generator=`` draws); so
-    is the default CPU generator's while no other thread runs (a ``torch.manual_seed`` inside).
+    by name or takes as arguments are compared before and after (their ``generator=`` draws), and
+    the default CPU generator's seed (a ``torch.manual_seed`` inside, with a seed other than the
+    current one: its state is the process's, which other threads' draws move).
     """
-    generators = [torch.default_generator] if threading.active_count() == 1 else []
-    default = len(generators)
+    generators: list[torch.Generator] = []
+    seed = torch.default_generator.initial_seed()  # (a reseed; draws, this thread's or others', keep it)
     for g in [*_named_values(fn), *static]:
         if isinstance(g, torch.Generator) and g is not torch.default_generator and not any(g is h for h in generators):
             generators.append(g)
@@ -555,13 +556,12 @@ def _refusing_generator_changes(fn: Callable, static: Any):
         yield
     with _disable_current_modes():
         moved = [i for i, (g, state) in enumerate(zip(generators, before)) if not torch.equal(g.get_state(), state)]
+    if torch.default_generator.initial_seed() != seed:
+        raise TraceError(_moved_message("reseeded torch's default random generator (torch.manual_seed)"))
     if moved:
-        which = (
-            "moved torch's default random generator"
-            if moved[0] < default
-            else "moved a torch.Generator it captures or takes as an argument"
+        raise TraceError(
+            _moved_message("moved a torch.Generator it captures or takes as an argument (a draw, a reseed)")
         )
-        raise TraceError(_moved_message(which + " (a random draw, or torch.manual_seed)"))
 
 
 _HOOK_KINDS = {
