@@ -1077,9 +1077,10 @@ class Fused:
         return (self._structure, *map(_TRAINING, modules)) if modules else ()
 
     def _flags_now(self) -> tuple:
-        """:meth:`_training_flags` of the modules found last, as compiled code reads them (the count
-        of registrations moves with every compile, whose graph modules register submodules; Dynamo
-        cannot call an attrgetter)."""
+        """:meth:`_training_flags` of the modules found last, as compiled code reads them (Dynamo
+        guards what it reads: a global count that moved during a compile recompiled every call;
+        the modules are found outside the graph, by :func:`_find_mode_modules`; and Dynamo cannot
+        call an attrgetter)."""
         modules = self._mode_modules
         return (self._structure, *(m.training for m in modules)) if modules else ()
 
