@@ -430,7 +430,7 @@ def _fold_members(kernel: Kernel, rule: FoldMembers, outer: int, in_dims: tuple,
         if not isinstance(a, Tensor) or (i in rule.params and d is None and a.dim() == 1):
             folded.append(a)  # (a number, or a γ shared by every member of every ensemble)
             continue
-        front = a.movedim(d, 0) if d is not None else a.expand(outer, *a.shape)
+        front = _to_front(a, d, outer)
         if i in rule.params:  # ([A, N]: one γ per outer member, shared by its members; or [A, M, N])
             if front.dim() == 2:
                 front = front[:, None, :].expand(outer, members, front.shape[-1])

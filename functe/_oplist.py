@@ -308,7 +308,7 @@ def format_oplist(oplist: OpList, op_names: dict[Any, str] | None = None) -> str
 
     head = " ".join(define(v) for v in oplist.inputs)
     lines = [f"{{ lambda {head}. let" if head else "{ lambda . let"]
-    ops = op_names if op_names is not None and all(e.op in op_names for e in oplist.eqns) else _op_names(oplist.eqns)
+    ops = _op_names(oplist.eqns) if op_names is None else op_names
     for e in oplist.eqns:
         params = " ".join(f"{k}={_param_text(v)}" for k, v in sorted(e.params.items()))
         call = ops[e.op] + (f"[{params}]" if params else "")

@@ -336,6 +336,7 @@ def _run_forward_rule(op, inputs, params: dict[str, Any], in_tree, *, fake: bool
     elif torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
         modes.enter_context(disable_proxy_modes_tracing())  # (make_fx's fake tracing: not in its graph)
     if fake:
+        modes.enter_context(_quiet_fake_tensor_log())
         modes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
     with _recording(None), use_backend("torch"), torch.no_grad(), modes:
         args = tree_unflatten(in_tree, [(_fake if fake else _meta)(a) for a in inputs])
@@ -364,14 +365,12 @@ def forward_on_meta(op, inputs, params: dict[str, Any], in_tree) -> tuple[Any, A
     first, second = (True, False) if opaque_fn is not None else (False, True)
     with state:
         try:
-            with _quiet_fake_tensor_log() if first else contextlib.nullcontext():
-                result = _run_forward_rule(op, inputs, params, in_tree, fake=first)
+            result = _run_forward_rule(op, inputs, params, in_tree, fake=first)
         except FuncteError:
             raise
         except Exception as e:
             try:
-                with _quiet_fake_tensor_log() if second else contextlib.nullcontext():
-                    result = _run_forward_rule(op, inputs, params, in_tree, fake=second)
+                result = _run_forward_rule(op, inputs, params, in_tree, fake=second)
             except FuncteError:
                 raise
             except Exception:
@@ -478,7 +477,7 @@ def trace_call(
     # (out of inference mode: a plan traced during an eval pass must serve training calls too)
     watch = _CapturedWatch({} if sources is None else sources, _reachable_storages(fn))
     with (
-        _refusing_generator_changes(fn, static.values()),  # (outside the watch: its reads are not the function's)
+        _refusing_generator_changes(fn, static),  # (outside the watch: its reads are not the function's)
         _recording(t),
         torch.inference_mode(False),
         torch.enable_grad(),
@@ -510,7 +509,7 @@ class _DrawWatch(TorchDispatchMode):
         state = generator.get_state() if generator is not None else None
         out = func(*args, **kwargs)
         if state is not None and not torch.equal(generator.get_state(), state):
-            raise TraceError(_moved_message("draws from torch's default random generator", func))
+            raise _draw_error(f"{func} draws from torch's default random generator")
         return out
 
 
@@ -522,18 +521,18 @@ def _default_generator(device: torch.device) -> torch.Generator | None:
     return None
 
 
-def _moved_message(what: str, func: Any = None) -> str:
-    where = f" ({func})" if func is not None else ""
-    return (
-        f"functe.trace: the traced function {what}{where}: inside a traced function this happens once, at trace "
-        "time, and every call would reuse its result. Pass the random tensor as an argument, use a seeded op "
+def _draw_error(what: str) -> TraceError:
+    """The refusal of a random draw (or reseed) inside a trace, whichever check saw it."""
+    return TraceError(
+        f"functe.trace: {what} inside a traced function: it would happen once, at trace time, and every call "
+        "would reuse its result. Pass the random tensor as an argument, use a seeded op "
         "(functe.ops.dropout(x, p, seed=...)), or wrap the drawing part in functe.opaque(fn), which draws on "
         "every call"
     )
 
 
 @contextlib.contextmanager
-def _refusing_generator_changes(fn: Callable, static: Any):
+def _refusing_generator_changes(fn: Callable, static: dict[int, Any]):
     """Refuse random draws in a trace: a draw (or ``torch.manual_seed``) inside a trace happens once,
     at trace time, and the plan reuses its result; unfused, every call draws anew.
 
@@ -545,11 +544,8 @@ def _refusing_generator_changes(fn: Callable, static: Any):
     the default CPU generator's seed (a ``torch.manual_seed`` inside, with a seed other than the
     current one: its state is the process's, which other threads' draws move).
     """
-    generators: list[torch.Generator] = []
+    generators = [g for g in _generators(fn, static) if g is not torch.default_generator]
     seed = torch.default_generator.initial_seed()  # (a reseed; draws, this thread's or others', keep it)
-    for g in [*_named_values(fn), *static]:
-        if isinstance(g, torch.Generator) and g is not torch.default_generator and not any(g is h for h in generators):
-            generators.append(g)
     with _disable_current_modes():  # (under a fake mode too: the states are real tensors)
         before = [g.get_state() for g in generators]
     with _DrawWatch():
@@ -557,11 +553,9 @@ def _refusing_generator_changes(fn: Callable, static: Any):
     with _disable_current_modes():
         moved = [i for i, (g, state) in enumerate(zip(generators, before)) if not torch.equal(g.get_state(), state)]
     if torch.default_generator.initial_seed() != seed:
-        raise TraceError(_moved_message("reseeded torch's default random generator (torch.manual_seed)"))
+        raise _draw_error("the function reseeded torch's default random generator (torch.manual_seed)")
     if moved:
-        raise TraceError(
-            _moved_message("moved a torch.Generator it captures or takes as an argument (a draw, a reseed)")
-        )
+        raise _draw_error("the function moved a torch.Generator it captures or takes as an argument (a draw, a reseed)")
 
 
 _HOOK_KINDS = {
@@ -692,11 +686,7 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
     def _refuse_effects(self, func, args: tuple, kwargs: dict) -> None:
         """Random draws and writes into captured tensors would happen once, at trace time."""
         if _draws(func, args, kwargs):
-            raise TraceError(
-                f"functe.trace: {_func_name(func)} draws random numbers inside a traced function: the draw would "
-                "happen once, at trace time, and every call would reuse it. Pass the random tensor as an "
-                "argument, or use a seeded op (functe.ops.dropout(x, p, seed=...))"
-            )
+            raise _draw_error(f"{_func_name(func)} draws random numbers")
         targets = [args[0]] if args and isinstance(args[0], Tensor) and _in_place(func) else []
         out = kwargs.get("out")  # (torch.add(step, 1, out=step) writes as step.add_(1) does)
         targets += [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, Tensor)]
@@ -931,7 +921,8 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
 
 
 def _generators(fn: Callable, static: dict) -> tuple[torch.Generator, ...]:
-    """The ``torch.Generator`` objects ``fn`` reaches by name or takes as a static argument."""
+    """The ``torch.Generator`` objects ``fn`` reaches by name or takes as a static argument (the
+    values of ``static``), each once."""
     found = [v for v in (*_named_values(fn), *static.values()) if isinstance(v, torch.Generator)]
     return tuple({id(g): g for g in found}.values())
 

@@ -959,42 +959,23 @@ def _rms_bwd_fast(dy, x, gamma, eps, kind, accum=None):
     return shaped(dx, x.shape), dw
 
 
+def _members_kernel(launcher, twin, params: tuple[int, ...]) -> Kernel:
+    """A ``*_members`` kernel: no CPU fast path (its twin is the formula), and under a further vmap
+    (an ensemble of ensembles) the outer level folds into its members, γ (and β) at ``params``."""
+    return Kernel(launcher.__name__, launcher, twin, batch=FoldMembers(params), fast_path=False)
+
+
 # Forward kernels batch over rows; a batched γ or β (an ensemble) runs the ``*_members`` kernel.
 # The backward kernels reduce over rows into dγ/dβ: a vmapped call runs the ``*_members`` kernel, one
 # launch whose dγ (and dβ) stay per member (vmap(grad): per-example gradients of γ, or an ensemble).
-# (the members kernels fold an outer vmap, an ensemble of ensembles, into their members)
-LAYER_NORM_MEMBERS = Kernel(
-    "layer_norm_members", layer_norm_members, layer_norm_members_ref, batch=FoldMembers((1, 2)), fast_path=False
-)
-RMS_NORM_MEMBERS = Kernel(
-    "rms_norm_members", rms_norm_members, rms_norm_members_ref, batch=FoldMembers((1,)), fast_path=False
-)
+LAYER_NORM_MEMBERS = _members_kernel(layer_norm_members, layer_norm_members_ref, (1, 2))
+RMS_NORM_MEMBERS = _members_kernel(rms_norm_members, rms_norm_members_ref, (1,))
 LAYER_NORM = Kernel("layer_norm", layer_norm, layer_norm_ref, batch=Rowwise(params=(1, 2), members=LAYER_NORM_MEMBERS))
 RMS_NORM = Kernel("rms_norm", rms_norm, rms_norm_ref, batch=Rowwise(params=(1,), members=RMS_NORM_MEMBERS))
-LAYER_NORM_BWD_MEMBERS = Kernel(
-    "layer_norm_bwd_members",
-    layer_norm_bwd_members,
-    layer_norm_bwd_members_ref,
-    batch=FoldMembers((4,)),
-    fast_path=False,
-)
-RMS_NORM_BWD_MEMBERS = Kernel(
-    "rms_norm_bwd_members", rms_norm_bwd_members, rms_norm_bwd_members_ref, batch=FoldMembers((2,)), fast_path=False
-)
-LAYER_NORM_BWD_ADD_MEMBERS = Kernel(
-    "layer_norm_bwd_add_members",
-    layer_norm_bwd_add_members,
-    layer_norm_bwd_add_members_ref,
-    batch=FoldMembers((4,)),
-    fast_path=False,
-)
-RMS_NORM_BWD_ADD_MEMBERS = Kernel(
-    "rms_norm_bwd_add_members",
-    rms_norm_bwd_add_members,
-    rms_norm_bwd_add_members_ref,
-    batch=FoldMembers((2,)),
-    fast_path=False,
-)
+LAYER_NORM_BWD_MEMBERS = _members_kernel(layer_norm_bwd_members, layer_norm_bwd_members_ref, (4,))
+RMS_NORM_BWD_MEMBERS = _members_kernel(rms_norm_bwd_members, rms_norm_bwd_members_ref, (2,))
+LAYER_NORM_BWD_ADD_MEMBERS = _members_kernel(layer_norm_bwd_add_members, layer_norm_bwd_add_members_ref, (4,))
+RMS_NORM_BWD_ADD_MEMBERS = _members_kernel(rms_norm_bwd_add_members, rms_norm_bwd_add_members_ref, (2,))
 LAYER_NORM_BWD = Kernel(
     "layer_norm_bwd", layer_norm_bwd, layer_norm_bwd_ref, batch=Members(LAYER_NORM_BWD_MEMBERS, params=(4,))
 )
