@@ -633,12 +633,7 @@ class Plan:
                 # (a module's parameter: named, and the remedy for a module, which takes no parameters)
                 named = [".".join((*path, name)) for _, path, name, bound, *_ in self.bindings if bound is t]
                 what = f"{describe(t)} (the module's {named[0]!r})" if named else describe(t)
-                remedy = (
-                    "call the unfused module, or fuse a function taking its parameters "
-                    "(torch.func.functional_call), or freeze it (requires_grad_(False))"
-                    if named
-                    else "pass it to the fused function as an argument"
-                )
+                remedy = _MODULE_REMEDY if named else "pass it to the fused function as an argument"
                 raise TraceError(
                     f"functe.fuse({self.name}): a tensor {what} captured from the enclosing scope as a constant "
                     f"requires gradients; {remedy}, otherwise its gradient would be silently lost"
@@ -1254,7 +1249,12 @@ class Fused:
                 return index
             sources: dict[int, Tensor] = {}
             called: list[torch.nn.Module] = []
-            program = trace_call(self.__wrapped__, args, kwargs, sources, called)
+            try:
+                program = trace_call(self.__wrapped__, args, kwargs, sources, called)
+            except TraceError as e:
+                if hasattr(e, "capture"):
+                    _name_module_parameter(e, [*_trace._reached(self.__wrapped__), *called])
+                raise
             self.trace_count += 1
             plan = Plan(
                 program,
@@ -1598,6 +1598,33 @@ def _submodules(fn: Callable) -> list[torch.nn.Module]:
 
 
 _TRAINING = operator.attrgetter("training")
+
+# (a module takes no parameters as arguments: what to do about a trainable one it captures)
+_MODULE_REMEDY = (
+    "call the unfused module, or fuse a function taking its parameters (torch.func.functional_call), "
+    "or freeze it (requires_grad_(False))"
+)
+
+
+def _name_module_parameter(error: TraceError, reached: list) -> None:
+    """Reword the trace's refusal of a trainable captured tensor when it is a parameter or buffer
+    of a module the function reaches or called (``'0.weight'``): "pass it as an argument" is no
+    remedy for ``fuse(model)``."""
+    op_name, tensor = error.capture
+    for module in reached:
+        if isinstance(module, torch.nn.Module):
+            named = itertools.chain(
+                module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+            )
+            name = next((name for name, t in named if t is tensor), None)
+            if name is not None:
+                error.args = (
+                    f"functe.{op_name}: a tensor {describe(tensor)} (the module's {name!r}) captured "
+                    f"from the enclosing scope requires gradients; {_MODULE_REMEDY}, otherwise its gradient "
+                    "would be silently lost",
+                )
+                return
+
 
 # Submodule registrations (`model.act = GELU()`, add_module) on a module some fused function tracks,
 # counted by a global hook installed when a fused function first looks for modules: a changed count

@@ -267,13 +267,21 @@ def _atom(op_name: str, leaf: Any, trace: _Trace):
             # the constant then (Plan.check_captured), as a trace under grad mode would.
             constant = leaf
         if constant is None:
-            raise TraceError(
-                f"functe.{op_name}: a tensor {describe(leaf)} captured from the enclosing scope requires "
-                "gradients (or carries a forward-mode tangent, or is being transformed); pass it to the traced "
-                "function as an argument, otherwise its gradient would be silently lost"
-            )
+            raise _trainable_capture(op_name, leaf)
         return Literal(constant)
     return Literal(leaf)
+
+
+def _trainable_capture(op_name: str, t: Tensor) -> TraceError:
+    """The trace's refusal of a captured tensor ``t`` that gradients or a transform see, at
+    ``op_name``; it keeps both (``capture``): :func:`functe.fuse` names a module's parameter."""
+    error = TraceError(
+        f"functe.{op_name}: a tensor {describe(t)} captured from the enclosing scope requires gradients (or "
+        "carries a forward-mode tangent, or is being transformed); pass it to the traced function as an "
+        "argument, otherwise its gradient would be silently lost"
+    )
+    error.capture = (op_name, t)
+    return error
 
 
 def _untracked_constant(t: Tensor) -> Tensor | None:

@@ -1329,6 +1329,24 @@ def test_an_eval_pass_may_capture_trainable_weights(eval_mode):
     assert torch.equal(fused(x), block(x)) and fused.trace_count == 1
 
 
+def test_the_trace_names_a_trainable_module_parameter_it_captures():
+    # The cached plan's refusal named the module's parameter and a remedy a module can take; the
+    # trace's own refusal (the first call under grad mode) said "pass it as an argument", which a
+    # module's forward cannot do.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(16, 4))
+    x = make((3, 8))
+    named = r"functe\.linear: a tensor f32\[16,8\] \(the module.s .0\.weight.\) captured .* gradients; call the"
+    with pytest.raises(functe.TraceError, match=named):
+        functe.fuse(model)(x)  # (the module called by the trace)
+    block = lambda x: ops.linear(ops.gelu(ops.linear(x, model[0].weight, model[0].bias)), model[2].weight)
+    with pytest.raises(functe.TraceError, match=named):
+        functe.fuse(block)(x)  # (the module reached by name)
+    # a captured tensor no module holds keeps the argument remedy
+    loose = make((16, 8)).requires_grad_()
+    with pytest.raises(functe.TraceError, match=r"f32\[16,8\] captured .* pass it to the traced function as an arg"):
+        functe.fuse(lambda x: ops.linear(x, loose))(x)
+
+
 @pytest.mark.parametrize(
     "derive",
     [lambda w: w.t().contiguous(), lambda w: w.to(torch.float64).float(), lambda w: 2.0 * w],
