@@ -177,16 +177,25 @@ _MAX_DIMS = 12  # listed one by one; any further dims enter a checksum
 
 _RAISING = len(KINDS)  # the kind code of a rank meeting the check only to raise its own error
 _LAYOUT = len(KINDS) + 1  # the kind code of all_reduce_gradients' tree-layout check
-# kind, dim, reduction, dtype, rank, numel, the dims, a checksum of further dims: every cross-rank check
-# exchanges rows of this one length (rows of different lengths made gloo abort the process)
-_SIGNATURE_LEN = 7 + _MAX_DIMS
+# kind, dim, reduction, dtype, rank, numel, the dims, a checksum of further dims, a checksum of the
+# collective's role: every cross-rank check exchanges rows of this one length (rows of different
+# lengths made gloo abort the process)
+_SIGNATURE_LEN = 8 + _MAX_DIMS
 
 
-def _signature(kind: str, x: Tensor, dim: int, op: str) -> list[int]:
+def _signature(kind: str, x: Tensor, dim: int, op: str, who: str) -> list[int]:
     code = _DTYPES.index(x.dtype)
     dims = list(x.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(x.dim(), _MAX_DIMS))
     rest = zlib.crc32(repr(tuple(x.shape[_MAX_DIMS:])).encode())
-    return [KINDS.index(kind), dim, REDUCTIONS.index(op), code, x.dim(), x.numel(), *dims, rest]
+    return [KINDS.index(kind), dim, REDUCTIONS.index(op), code, x.dim(), x.numel(), *dims, rest, _role(who)]
+
+
+def _role(who: str) -> int:
+    """A checksum of what a collective is for (``who`` past the op's name: "all-reduce of the
+    output (row)"): a row-parallel forward's all-reduce and a column-parallel backward's, of one
+    shape, summed unrelated tensors. (The op's name is left out: a rank's fused op and another's
+    unfused one may run the same collective.)"""
+    return zlib.crc32(who.split(": ", 1)[-1].encode())
 
 
 def _describe_signature(sig: list[int]) -> str:
@@ -221,10 +230,17 @@ def _from_every_rank(values: list[int], device: torch.device, group: Group) -> l
 
 def _check(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> None:
     """Raise on every rank if the ranks are about to run different collectives or shapes."""
-    rows = _from_every_rank(_signature(kind, x, dim, op), x.device, group)
+    rows = _from_every_rank(_signature(kind, x, dim, op, who), x.device, group)
     if all(row == rows[0] for row in rows):
         return
     _raise_if_ranks_differ_in_kind(rows, group, who, lambda row: (row[0], row[2]))
+    if any(row[-1] != rows[0][-1] for row in rows):
+        listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
+        raise DistributedError(
+            f"functe.{who}: the ranks of {group!r} run different collectives at this point: {listing}, "
+            "not all for this one's purpose (a forward's and a backward's collective, say); every rank must "
+            "run the same ops in the same order"
+        )
     listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
     raise ShapeError(f"functe.{who}: every rank of {group!r} must pass the same shape and dtype: {listing}")
 

@@ -131,6 +131,16 @@ def linear_parallelism(
             f"functe.{op}: tensor parallelism is not implemented for {unsupported_recipe} "
             "(docs/block_scaling.md); use it without tensor_parallel_mode"
         )
+    if mode is not None and fp8 and amax_group is not None and not _covers(amax_group, group):
+        # (under column + SP each rank dequantizes the gathered FP8 shards of x with its own scale:
+        # scales that drift apart across the tensor-parallel ranks gave wrong outputs and gradients;
+        # every rank of a mesh raises this together, its groups being alike)
+        raise ArgumentError(
+            f"functe.{op}: argument 'amax_group' must contain the tensor-parallel group's ranks "
+            f"{_ranks(group)}, got a group of ranks {_ranks(amax_group)}: the FP8 scaling states must "
+            "stay equal across a tensor-parallel group; pass the data-parallel x tensor-parallel group "
+            "(or the world, or None for the tensor-parallel group alone)"
+        )
     if sequence_parallel and (problem := _sequence_parallel_problem(op, x, mode, tp)):
         # Ranks whose x is fine are already waiting in this linear's first collective (an all-gather,
         # a reduce-scatter, or current scaling's amax reduction): meet them there.
@@ -139,6 +149,19 @@ def linear_parallelism(
     if mode is None and (not fp8 or amax.size == 1):
         return None
     return LinearParallelism(mode, sequence_parallel, tp, amax if fp8 else SINGLE)
+
+
+def _ranks(group: object) -> list[int]:
+    """The global ranks of a ProcessGroup (``None``: the default group)."""
+    return torch.distributed.get_process_group_ranks(group or torch.distributed.group.WORLD)
+
+
+def _covers(amax_group: object, group: object) -> bool:
+    """Whether ``amax_group`` holds every rank of the tensor-parallel ``group`` (``Group`` values,
+    made up for a trace or an explain, are not checked)."""
+    if isinstance(amax_group, Group) or isinstance(group, Group):
+        return True
+    return set(_ranks(group)) <= set(_ranks(amax_group))
 
 
 def _sequence_parallel_problem(op: str, x: Tensor, mode: str, tp: Group) -> ShapeError | None:

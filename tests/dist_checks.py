@@ -609,6 +609,13 @@ def mismatched_shapes() -> list[str]:
         lambda: ops.fp8_linear(torch.ones(3 + r, 8), w, None, None, recipe=RECIPES["current"], **column_sp),
         lambda: ops.reduce_scatter(torch.ones(4, 3), dim=r),
         lambda: ops.all_gather(torch.ones(2, 3)) if r == 0 else ops.all_reduce(torch.ones(2, 3)),
+        # (one all-reduce of one shape for two purposes: a column backward's dx and a row forward's
+        # output were summed together, silently)
+        lambda: (
+            torch.func.grad(lambda x: ops.linear(x, part(w, 0), tensor_parallel_mode="column").sum())(torch.ones(3, 8))
+            if r == 0
+            else ops.linear(torch.ones(3, 4), torch.ones(8, 4), tensor_parallel_mode="row")
+        ),
     ]
     return _errors_of(cases)
 
@@ -694,6 +701,22 @@ def block_recipe_refusal_on_every_rank() -> tuple[str, list[float]]:
     recipe = functe.Float8BlockScaling()
     sp = {"tensor_parallel_mode": "column", "sequence_parallel": True}
     (error,) = _errors_of([lambda: ops.fp8_linear(x, torch.ones(64, 128), None, None, recipe=recipe, **sp)])
+    return error, ops.all_reduce(torch.ones(3)).tolist()
+
+
+def amax_group_outside_the_tensor_parallel_group() -> tuple[str, list[float]]:
+    """A delayed-scaling column + SP linear whose ``amax_group`` (a dp group of a dp=1 x tp=2 mesh)
+    lacks the other tensor-parallel rank: refused on every rank (the states drifted apart across the
+    tensor-parallel ranks and each dequantized the gathered FP8 shards with its own scale: outputs
+    85% off one process's); then the next collective works."""
+    solo = [dist.new_group([0]), dist.new_group([1])][rank()]  # (every rank makes every group)
+    recipe = RECIPES["delayed"]
+    x, w = seeded((4, 16), seed=1210), seeded((4, 16), seed=1211)
+    sp = {"tensor_parallel_mode": "column", "sequence_parallel": True}
+    dp_only = {"amax_group": solo}
+    (error,) = _errors_of([lambda: ops.fp8_linear(x, w, None, _fp8_state(recipe), recipe=recipe, **dp_only, **sp)])
+    world_group = {"amax_group": dist.group.WORLD}  # (covers it: runs)
+    ops.fp8_linear(x, w, None, _fp8_state(recipe), recipe=recipe, **world_group, **sp)
     return error, ops.all_reduce(torch.ones(3)).tolist()
 
 

@@ -285,8 +285,8 @@ def test_gradient_averages_of_awkward_trees(pool):
 @pytest.mark.distributed
 def test_mismatched_shapes_raise_the_same_error_on_every_rank(pool):
     messages = pool.run(checks.mismatched_shapes)
-    assert messages[0][:-1] == messages[1][:-1]  # the last names each rank's own op
-    assert messages[0][-1].split(": the ranks")[1] == messages[1][-1].split(": the ranks")[1]
+    assert messages[0][:-2] == messages[1][:-2]  # the last two name each rank's own op
+    assert messages[0][-2].split(": the ranks")[1] == messages[1][-2].split(": the ranks")[1]
     assert messages[0][0] == (
         "ShapeError: functe.all_gather: every rank of Group('0', size=2) must pass the same shape and dtype: "
         "rank 0 calls all_gather(f32[2,3], dim=0), rank 1 calls all_gather(f32[3,3], dim=0)"
@@ -294,7 +294,15 @@ def test_mismatched_shapes_raise_the_same_error_on_every_rank(pool):
     rest = messages[0][1:]
     assert "functe.linear: all-gather of the input (column+sp)" in rest[0]
     assert "reduce_scatter(f32[4,2,4], dim=0, sum), rank 1 calls reduce_scatter(f32[6,2,4], dim=0, sum)" in rest[1]
-    assert rest[-1].startswith("DistributedError: functe.all_gather: the ranks of Group('0', size=2) run different")
+    assert rest[-2].startswith("DistributedError: functe.all_gather: the ranks of Group('0', size=2) run different")
+    purposes = (
+        "the ranks of Group('0', size=2) run different collectives at this point: rank 0 calls all_reduce(f32[3,8], "
+        "sum), rank 1 calls all_reduce(f32[3,8], sum), not all for this one's purpose"
+    )
+    assert messages[0][-1] == f"DistributedError: functe.linear: all-reduce of dx (column, backward): {purposes}" + (
+        " (a forward's and a backward's collective, say); every rank must run the same ops in the same order"
+    )
+    assert messages[1][-1].startswith(f"DistributedError: functe.linear: all-reduce of the output (row): {purposes}")
 
 
 @pytest.mark.distributed
@@ -330,6 +338,16 @@ def test_a_local_argument_error_on_one_rank_raises_on_every_rank(pool):
 def test_a_block_recipe_with_tensor_parallelism_is_refused_on_every_rank(pool):
     for error, after in pool.run(checks.block_recipe_refusal_on_every_rank, timeout=60):
         assert error.startswith("ArgumentError: functe.fp8_linear: tensor parallelism is not implemented for Float8Bl")
+        assert after == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.distributed
+def test_an_amax_group_must_contain_the_tensor_parallel_group(pool):
+    for r, (error, after) in enumerate(pool.run(checks.amax_group_outside_the_tensor_parallel_group, timeout=60)):
+        assert error.startswith(
+            "ArgumentError: functe.fp8_linear: argument 'amax_group' must contain the tensor-parallel group's "
+            f"ranks [0, 1], got a group of ranks [{r}]"
+        )
         assert after == [2.0, 2.0, 2.0]
 
 
