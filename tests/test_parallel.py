@@ -132,6 +132,8 @@ def test_fusion_rules_decline_parallel_linears_with_te_reasons():
     forward, backward = plan.stats["forward"], plan.stats["backward"]
     assert forward.fired == {"forward_linear_bias_add": 1, "forward_linear_scale_add": 1}  # the column linears
     assert backward.fired == {"backward_linear_add": 1}  # the row linear
+    # (which keeps its mode: the fused op runs the row linear's own backward; it printed none)
+    assert "= backward_linear_add[parallel=row@fake/2]" in str(plan.backward)
     [(rule, _, reason)] = forward.declined
     assert rule == "forward_linear_bias_add" and reason.startswith("row tensor-parallel linear: its GEMM output")
     [(rule, _, reason)] = backward.declined

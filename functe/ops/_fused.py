@@ -166,20 +166,23 @@ fix the residual layout of the covered ops:
 # ----------------------------------------------------------------------------- backward: make_extra_output -> linear
 
 
-def _backward_linear_add_fwd(x, weight, bias):
+def _backward_linear_add_fwd(x, weight, bias, *, parallel=None):
     # Unfused forward: (x, x) = make_extra_output(x); y = linear(x, weight, bias).
-    y, lin = _linear_fwd(x, weight, bias)
+    y, lin = _linear_fwd(x, weight, bias, parallel=parallel)
     return (x, y), (None, lin)
 
 
-def _backward_linear_add_bwd(res, cts, needs_input_grad=(True, True, True)):
+def _backward_linear_add_bwd(res, cts, *, parallel=None, needs_input_grad=(True, True, True)):
     # dx = d_extra + dy·W: the dgrad GEMM accumulates into the extra output's gradient (beta = 1).
     _, (x, weight, has_bias) = res
     d_extra, dy = cts
     if dy is None:
         return d_extra, None, None
-    if _frozen(needs_input_grad, has_bias):  # (only the wanted gradients)
-        dx, dweight, dbias = _linear_bwd((x, weight, has_bias), dy, needs_input_grad=needs_input_grad)
+    if parallel is not None or _frozen(needs_input_grad, has_bias):  # (only the wanted gradients, unfused)
+        # (a row-parallel linear: its own backward marks the replicated dy, see _parallel)
+        dx, dweight, dbias = _linear_bwd(
+            (x, weight, has_bias), dy, parallel=parallel, needs_input_grad=needs_input_grad
+        )
         return (None if dx is None else _acc_extra(dx, d_extra)), dweight, dbias
     if triton_gemm(dy):
         dx = GEMM_DGRAD(dy, weight, d_extra)

@@ -74,7 +74,12 @@ FORWARD_LINEAR_SCALE_ADD = Rule(
 def _backward_linear_add(m: Match):
     fork, lin = m.eqn("fork"), m.eqn("linear")
     other = fork.outputs[1 - m.edge("fork")]
-    return m.fuse(fused.backward_linear_add, [m["x"], m["w"], m["b"]], [other, lin.outputs[0]])
+    return m.fuse(
+        fused.backward_linear_add,
+        [m["x"], m["w"], m["b"]],
+        [other, lin.outputs[0]],
+        **linear_parallel_param(m, "linear"),
+    )
 
 
 # linear(make_extra_output(x)[k], w, b) -> backward_linear_add(x, w, b): dx = d_extra + dy·W in one GEMM
