@@ -83,6 +83,12 @@ def test_p_zero_is_the_identity():
     x = make((5, 7), torch.float32)
     assert torch.equal(ops.dropout(x, 0.0, seed=1), x)
     assert torch.equal(torch.func.grad(lambda x: (ops.dropout(x, 0, seed=1) * 3).sum())(x), torch.full_like(x, 3.0))
+    # the result was the caller's x itself: an op donated it (in_place=True) and wrote the caller's
+    # tensor, where identity's or reshape's result is not written
+    before = x.clone()
+    out = ops.add_extra_input(torch.ones(5, 7), ops.dropout(x, 0.0, seed=1), in_place=True)
+    assert torch.equal(x, before) and torch.equal(out, before + 1)
+    assert torch.equal(functe.fuse(lambda x: 2.0 * ops.dropout(x, 0.0, seed=1))(x), 2.0 * before)  # (traced: no op)
 
 
 def test_a_zero_dim_input_under_forward_mode_meta_and_compile(backend):

@@ -18,6 +18,7 @@ import functe
 from functe import ops
 from functe.kernels import _triton
 from functe.kernels import norm as norm_kernels
+from functe.testing import tolerance
 
 SHAPES = [(37,), (2, 13), (32, 1, 32), (0, 13)]
 
@@ -410,6 +411,29 @@ def test_layer_norm_hessian_matches_the_formula():
     for i in range(2):
         for k in range(2):
             torch.testing.assert_close(got[i][k], want[i][k])
+
+
+@pytest.mark.parametrize("kind", ["rms_norm", "l2_normalize"])
+def test_long_fp32_rows_keep_fp32_accuracy_on_the_cpu(kind):
+    # The CPU path summed the squares with torch.linalg.vector_norm, a running sum: 1.2e-4 relative
+    # on a constant row of 140,000 (5e-6 at 4,096, against TE's fp32 rtol 1.3e-6); F.rms_norm: 3e-7.
+    n = 140_000
+    x = torch.full((2, n), 0.7)
+    x[1] = torch.linspace(-1.0, 2.0, n)
+    w = make((n,))
+    fn = (lambda x, w: ops.rms_norm(x, w)) if kind == "rms_norm" else (lambda x, w: ops.l2_normalize(x) * w)
+    ref = (lambda x, w: rms_ref(x, w)) if kind == "rms_norm" else (lambda x, w: l2_ref(x) * w)
+    dy = make((2, n))
+    rtol, _ = tolerance(torch.float32)
+    for given in (x, x[:1].expand(2, n)):  # (an expanded row, read at stride 0, too)
+        y64, vjp64 = torch.func.vjp(ref, *as64([given, w]))
+        check(fn(given, w), y64, f"{kind} value")  # (no gradient: the forward's own fast path)
+        inputs = [given.detach().requires_grad_(), w.detach().requires_grad_()]
+        y = fn(*inputs)
+        check(y.detach(), y64, f"{kind} value, recorded")
+        grads = torch.autograd.grad(y, inputs, dy)
+        for got, want, name in zip(grads, vjp64(dy.double()), ["dx", "dw"]):  # (relative to the largest)
+            assert (got.double() - want).abs().max() <= 4 * rtol * want.abs().max(), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

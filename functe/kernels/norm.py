@@ -856,9 +856,14 @@ def _reduce_partials(parts: dict[int, Tensor], count: int, n_cols: int, acc: tor
     return torch.stack([parts[i] for i in range(count)]).sum(0)
 
 
-def _rstd(xt: Tensor, kind: str, eps: float) -> Tensor:
-    """1/√(mean or sum of squares + eps) per row (RMSNorm, L2)."""
-    sq = torch.linalg.vector_norm(xt, dim=-1, keepdim=True).square_()
+def _rstd(xt: Tensor, kind: str, eps: float, scratch: Tensor) -> Tensor:
+    """1/√(mean or sum of squares + eps) per row (RMSNorm, L2); ``scratch``: a buffer of ``xt``'s shape.
+
+    The squares are summed by ``sum`` (a cascade: ~4e-7 relative in fp32 at any length), not by
+    ``torch.linalg.vector_norm``, twice as fast but a running sum on the CPU: 5e-6 relative on
+    4,096 equal fp32 entries, 1.2e-4 on 140,000 (TE's fp32 rtol is 1.3e-6).
+    """
+    sq = torch.mul(xt, xt, out=scratch).sum(-1, keepdim=True)
     return (sq if kind == "l2" else sq.div_(xt.shape[-1])).add_(eps).rsqrt_()
 
 
@@ -872,7 +877,8 @@ def _rms_fwd_fast(x, gamma, eps, kind):
 
     def body(_, sl, buf):
         xt = buf.upcast("x", rows[sl])
-        out = torch.mul(xt, _rstd(xt, kind, eps), out=buf.get("out", sl.stop - sl.start))
+        out = buf.get("out", sl.stop - sl.start)
+        out = torch.mul(xt, _rstd(xt, kind, eps, scratch=out), out=out)
         y_rows[sl].copy_(out if gamma is None else out.mul_(gamma))
 
     parallel_chunks(rows.shape[0], rows.shape[1:], compute_dtype(x.dtype), body)
@@ -945,7 +951,8 @@ def _rms_bwd_fast(dy, x, gamma, eps, kind, accum=None):
     def body(i, sl, buf):
         m = sl.stop - sl.start
         xt, dyt = buf.upcast("x", rows[sl]), buf.upcast("dy", dy_rows[sl])
-        tmp, r = buf.get("tmp", m), _rstd(xt, kind, eps)
+        tmp = buf.get("tmp", m)
+        r = _rstd(xt, kind, eps, scratch=tmp)
         xhat = torch.mul(xt, r, out=buf.get("xhat", m))
         g = dyt if gamma is None else torch.mul(dyt, gamma, out=buf.get("g", m))
         c = reduce(torch.mul(g, xhat, out=tmp))

@@ -68,5 +68,8 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
     seed = seed_tensor(seed, x, "dropout")
     (x,) = autocast_inputs(x)  # (after the checks: they name what the caller passed)
     if p == 0:
-        return x
+        # (a view, not x itself: a result that is the caller's own tensor was written by a donating
+        # op, add_extra_input(..., in_place=True); a view counts as another holder of its storage. A
+        # trace's value or a fake tensor passes through unchanged: a trace records no op here)
+        return x.view_as(x) if type(x) in (torch.Tensor, torch.nn.Parameter) else x
     return _dropout(x, seed, p=static_float(p))
