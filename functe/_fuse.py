@@ -49,7 +49,7 @@ from ._errors import ArgumentError, TraceError, TransformError, called_as, check
 from ._kernel import batched, empty_batched, formula_twins
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, _op_names, flat_spec, format_oplist, without_dead_code
 from ._recipe import check_recipe
-from ._rng import RandomState
+from ._rng import saved_random_state
 from ._trace import trace_call, vjp_call
 from ._tree import (
     NAMESPACE,
@@ -828,7 +828,7 @@ def _replaying(forward: Callable, bwd: Callable) -> tuple[Callable, Callable]:
     must draw again what it drew (custom_vjp's jvp restores the earliest such state)."""
 
     def forward_from_state(*tensors):
-        state = RandomState(tensors)
+        state = saved_random_state(tensors)
         out, res = forward(*tensors)
         return out, (state, res)
 

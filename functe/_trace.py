@@ -49,9 +49,9 @@ from ._backend import any_tangent, forward_ad_active, use_backend
 from ._errors import ArgumentError, FuncteError, RuleError, TraceError, TransformError, check_callable, describe
 from ._kernel import batched_levels
 from ._oplist import Eqn, Literal, OpList, Var
-from ._rng import RandomState
+from ._rng import saved_random_state
 from ._tree import tree_flatten, tree_unflatten, with_contents
-from ._vjp import CustomVJP, cell_filled, custom_vjp
+from ._vjp import CustomVJP, cell_filled, custom_vjp, run_outside_graph
 
 Tensor = torch.Tensor
 
@@ -899,11 +899,16 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
     label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"
 
     def fwd(*args, **static):
+        if torch.compiler.is_compiling():  # (in a fused program's forward: see _vjp.run_outside_graph)
+            return run_outside_graph(eager_fwd, args, static)
+        return eager_fwd(*args, **static)
+
+    def eager_fwd(*args, **static):
         if forward_ad_active():
             _refuse_captured_tangents(fn, label, args)
         # (before fn draws: the backward replays the same draws, also from generators it reaches;
         # looked up per call, ~15 us: a name rebound to a new generator each epoch is found)
-        rng = RandomState(args, _generators(fn, static))
+        rng = saved_random_state(args, _generators(fn, static))
         versions = [_version(a) for a in args]
         out = fn(*args, **static)
         _refuse_written_arguments(label, args, versions)
@@ -919,6 +924,7 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
             return vjp_call(fn, args, ct, **static)
 
     op = custom_vjp(label, fwd, bwd, keep_autocast=True)
+    op.eager_under_compile = True  # (see _vjp.run_outside_graph)
     op.opaque_fn = fn  # (a trace refuses a traced value it reaches by name: see _record)
     op.opaque_name = name  # (a pickled op loads as opaque(fn, name=name): see CustomVJP.__reduce__)
     # (functe.fuse checks the function's captured state per call: see Plan.check_captured)

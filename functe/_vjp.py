@@ -307,6 +307,8 @@ class CustomVJP:
         # (a check of the caller's context and the call's argument leaves, run at each call before any
         # Function: see functe.opaque)
         self.precheck: Callable[[list], None] | None = None
+        # (an op Dynamo cannot trace: under torch.compile it runs eagerly, a graph break; see run_outside_graph)
+        self.eager_under_compile = False
         self.needs_input_grad = needs_input_grad
         self.prune_residuals = prune_residuals
         self.constant_residuals = constants = tuple(constant_residuals)
@@ -347,6 +349,8 @@ class CustomVJP:
         call = _Call(in_tree, static)
         if mode is _COMPILED:
             _refuse_compiled_transforms(self.name)
+            if self.eager_under_compile:
+                return run_outside_graph(self, args, static)
             results = self.compiled_function.apply(call, *_distinct_tensors(leaves))
         elif mode is _EAGER:
             results = self._eager_apply(call, *leaves)
@@ -524,6 +528,26 @@ def _refuse_compiled_transforms(name: str) -> None:
             f"functe.{name}: torch.compile of a torch.func transform would drop custom backward rules "
             "(pytorch#193279); compile the loss and take gradients outside it with torch.autograd.grad"
         )
+
+
+def _run_eagerly(fn: Callable, args: tuple, static: dict):
+    return fn(*args, **static)
+
+
+# An opaque op under torch.compile (``fn`` the op, or its forward rule inside a fused program):
+# Dynamo failed inside the op's Function (an internal error loading its function from the
+# forward's closure; then torch.get_rng_state, which it does not trace), a crash even without
+# fullgraph, and a fused program's trace of the rule broke its graph at each of its checks. Run
+# eagerly instead: a graph break around the op.
+run_outside_graph = torch.compiler.disable(
+    _run_eagerly,
+    reason=(
+        "functe.opaque: an opaque function runs eagerly under torch.compile (it saves the random "
+        "generators' states for its backward, which recomputes it with torch.func: Dynamo traces "
+        "neither); compile with fullgraph=False (a graph break around the op, exact) or write the "
+        "function with functe ops"
+    ),
+)
 
 
 # The C implementation behind ``autograd.Function.apply``. The Python wrapper

@@ -225,6 +225,27 @@ def test_a_compiled_plan_refuses_a_captured_weight_made_trainable_after_the_trac
         compiled(x, w).sum().backward()
 
 
+# (torch's own warning at any graph break whose output requires grad, plain torch's too)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_an_opaque_op_compiles_with_a_graph_break_and_fullgraph_names_why():
+    # An opaque op under torch.compile crashed Dynamo (an internal error loading its function from
+    # the forward's closure), and in a fused program each of its checks broke the graph with a
+    # warning; fullgraph=True failed with "get_rng_state ... should not be traced", which says
+    # nothing of functe.opaque or of fullgraph=False. Now the op runs eagerly: a graph break, exact.
+    soft = functe.opaque(lambda q: torch.softmax(q, -1), name="attn")
+    fused = functe.fuse(lambda x, w: ops.linear(soft(x), w))
+    x, w = make((4, 8)).requires_grad_(), make((8, 8)).requires_grad_()
+    for fn in (lambda x, w: ops.linear(soft(x), w), fused):
+        loss = lambda x, w, fn=fn: (fn(x, w) ** 2).sum()
+        expected = torch.autograd.grad(loss(x, w), (x, w))
+        for got, want in zip(torch.autograd.grad(torch.compile(loss)(x, w), (x, w)), expected):
+            assert_close(got, want)
+        torch._dynamo.reset()  # (else the graph-broken code compiled above serves the next call)
+        with pytest.raises(Exception, match=r"functe.opaque.*compile with fullgraph=False"):
+            torch.compile(loss, fullgraph=True)(x, w)
+        torch._dynamo.reset()
+
+
 def test_compiled_dropout_with_a_changing_p():
     # The fp32 scale 1/(1-p) is folded by Dynamo (assume_constant_result): a symbolic p raised.
     fn = lambda x, p: ops.dropout(x, p, seed=torch.tensor(3))
