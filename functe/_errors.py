@@ -219,7 +219,10 @@ def check_number(op: str, arg: str, value: Any, *, finite: bool = True, minimum:
     python_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if python_number or _numpy_scalar_kind(value) in ("i", "u", "f"):
         try:
-            number = float(value)
+            # (specialised under torch.compile, as kernels' static_float: Dynamo made a float symbolic
+            # under dynamic=True or once it changed between calls, and math.isfinite of a symbolic
+            # float broke the graph, which fullgraph=True refused: layer_norm's eps)
+            number = float.fromhex(float(value).hex())
         except OverflowError:
             pass
     kind = ("a finite Python number" if finite else "a Python number") + ("" if minimum is None else f" >= {minimum:g}")

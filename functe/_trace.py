@@ -63,6 +63,12 @@ class _Trace:
         self.eqns: list[Eqn] = []
         # Whether the caller had grad mode on (the trace itself always runs with it on).
         self.caller_grad = caller_grad
+        # The saved-tensor hooks in force when the trace began (a checkpoint around the fused call)
+        self.saved_tensor_hooks = _saved_tensor_hooks()
+
+
+def _saved_tensor_hooks():
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
 
 
 _active: _Trace | None = None
@@ -209,11 +215,22 @@ def _record(op: CustomVJP, args: tuple, static: dict[str, Any]):
         # would carry no gradient; an op list has no stop-gradient, so the plan would differentiate it)
         raise TraceError(
             f"functe.{op.name}: called on a traced value with gradients off (torch.no_grad(), "
-            "set_grad_enabled(False) or inference_mode() inside the traced function); the op list would "
+            "set_grad_enabled(False) or inference_mode() inside the traced function, or "
+            "torch.utils.checkpoint with use_reentrant=True, which runs its function so); the op list would "
             "differentiate it. Compute it outside and pass it in as an argument, or wrap that part in "
-            "functe.opaque(fn)"
+            "functe.opaque(fn) (a checkpoint: see functe.opaque, or checkpoint around the fused function)"
         )
     trace = _active
+    if _saved_tensor_hooks() != trace.saved_tensor_hooks:
+        # (torch.utils.checkpoint, save_on_cpu: the plan's one node saves its own residuals, and
+        # hooks pushed inside the traced function never see them: the memory was silently not saved)
+        raise TraceError(
+            f"functe.{op.name}: called on a traced value under saved-tensor hooks pushed inside the traced "
+            "function (torch.utils.checkpoint, torch.autograd.graph.save_on_cpu): a traced (fused) program "
+            "records its ops, not the hooks, which would never run. Apply them around the fused function "
+            "(checkpoint(fused_fn, ...)), or wrap the region in functe.opaque(fn), which keeps only its "
+            "arguments and recomputes fn in the backward"
+        )
     if getattr(op, "opaque_fn", None) is not None:
         _refuse_captured_tracers(op)
     inputs = [_atom(op.name, leaf, trace) for leaf in leaves]
@@ -921,7 +938,19 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
         _refuse_grads_in(reached, label)
         recompute = _CapturedState(reached).undone(label, "while the backward recomputes it")
         with rng.restored(), autocast_as(amp), recompute:
-            return vjp_call(fn, args, ct, **static)
+            try:
+                return vjp_call(fn, args, ct, **static)
+            except RuntimeError as e:
+                if "use_reentrant=True" not in str(e):
+                    raise
+                # (torch's words name .grad(), which the caller never called: the op's backward did)
+                raise TraceError(
+                    f"functe.{label}: the function runs torch.utils.checkpoint with use_reentrant=True, which "
+                    "cannot run inside the opaque op's backward (it differentiates the function with "
+                    "torch.autograd.grad). An opaque op already keeps only its arguments and recomputes the "
+                    "function in its backward, as a checkpoint does: drop the checkpoint, or pass "
+                    "use_reentrant=False"
+                ) from e
 
     op = custom_vjp(label, fwd, bwd, keep_autocast=True)
     op.eager_under_compile = True  # (see _vjp.run_outside_graph)

@@ -246,6 +246,24 @@ def test_an_opaque_op_compiles_with_a_graph_break_and_fullgraph_names_why():
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "a changed number"])
+def test_float_arguments_compile_fullgraph_with_dynamic_shapes(dynamic):
+    # Dynamo made eps (or a limit) symbolic under dynamic=True, or once it changed between calls, and
+    # the argument check's math.isfinite of it broke the graph: fullgraph=True refused four ops.
+    x, g, b = make((3, 8)), make((8,)), make((8,))
+    cases = {
+        "layer_norm": lambda x, eps: ops.layer_norm(x, g, b, eps=eps),
+        "rms_norm": lambda x, eps: ops.rms_norm(x, g, eps=eps),
+        "l2_normalize": lambda x, eps: ops.l2_normalize(x, eps=eps),
+        "clamped_swiglu": lambda x, eps: ops.clamped_swiglu(x, limit=7.0 + eps),
+    }
+    for name, fn in cases.items():
+        compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="eager")
+        for eps in (1e-5, 1e-3):
+            assert_close(compiled(x, eps), fn(x, eps), msg=name)  # (compiled: the twin, an ulp off the fast path)
+        torch._dynamo.reset()
+
+
 def test_compiled_dropout_with_a_changing_p():
     # The fp32 scale 1/(1-p) is folded by Dynamo (assume_constant_result): a symbolic p raised.
     fn = lambda x, p: ops.dropout(x, p, seed=torch.tensor(3))

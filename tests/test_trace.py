@@ -473,3 +473,41 @@ def test_draw_checks_spare_ops_that_do_not_draw_shape_runs_and_rebound_generator
             assert torch.equal(torch.autograd.grad(y.sum(), x)[0], y.detach())
     finally:
         _OWN_GENERATOR = saved
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_inside_a_traced_function_is_refused_and_one_around_a_fused_function_works(reentrant):
+    # A checkpoint inside a fused function was dropped silently (the plan saved every residual, no
+    # memory saved); its reentrant form blamed a no_grad the user never wrote.
+    from torch.utils.checkpoint import checkpoint
+
+    w = make((8, 8)).requires_grad_()
+    body = lambda x, w: ops.gelu(ops.linear(ops.layer_norm(x, torch.ones(8), torch.zeros(8)), w))
+    inside = functe.fuse(lambda x, w: checkpoint(body, x, w, use_reentrant=reentrant))
+    x = make((4, 8)).requires_grad_()
+    why = "with use_reentrant=True" if reentrant else "under saved-tensor hooks pushed inside the traced function"
+    with pytest.raises(functe.TraceError, match=rf"functe\.layer_norm: called on a traced value .*{why}"):
+        inside(x, w)
+    fused = functe.fuse(body)
+    expected = torch.autograd.grad(body(x, w).square().sum(), (x, w))
+    checkpoint(fused, x, w, use_reentrant=reentrant).square().sum().backward()  # (reentrant: no .grad())
+    assert torch.equal(x.grad, expected[0]) and torch.equal(w.grad, expected[1])
+    with torch.autograd.graph.save_on_cpu():  # (hooks in force before the trace: they save the plan's residuals)
+        got = torch.autograd.grad(functe.fuse(body)(x, w).square().sum(), (x, w))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_reentrant_checkpoint_inside_an_opaque_function_names_the_op():
+    # The backward failed with torch's "incompatible with .grad()", which the caller never called.
+    from torch.utils.checkpoint import checkpoint
+
+    for reentrant in (False, True):
+        op = functe.opaque(lambda x, r=reentrant: checkpoint(torch.sin, x, use_reentrant=r), name=f"ck_sin_{reentrant}")
+        x = make((3,)).requires_grad_()
+        y = op(x)
+        if reentrant:
+            with pytest.raises(functe.TraceError, match=r"functe\.ck_sin_True: the function runs torch\.utils\.ch"):
+                y.sum().backward()
+        else:
+            y.sum().backward()
+            assert torch.equal(x.grad, torch.cos(x.detach()))
