@@ -94,7 +94,9 @@ def test_cuda_tensors_run_triton():
 
 def _folding(w, g):
     def fn(x):
-        return ops.linear(x, ops.rms_norm(w, g))  # (no input reaches rms_norm: the trace folds it)
+        # (no input reaches the norm: the trace folds it; a LayerNorm, whose CPU twin is torch's own
+        # kernel, rounds apart from the Triton kernel's, which the test needs)
+        return ops.linear(x, ops.layer_norm(w, g, g))
 
     return fn
 
