@@ -219,12 +219,16 @@ def check_number(op: str, arg: str, value: Any, *, finite: bool = True, minimum:
     python_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if python_number or _numpy_scalar_kind(value) in ("i", "u", "f"):
         try:
-            # (specialised under torch.compile, as kernels' static_float: Dynamo made a float symbolic
-            # under dynamic=True or once it changed between calls, and math.isfinite of a symbolic
-            # float broke the graph, which fullgraph=True refused: layer_norm's eps)
-            number = float.fromhex(float(value).hex())
+            number = float(value)
         except OverflowError:
             pass
+        else:
+            if finite or minimum is not None:
+                # (specialised under torch.compile, as kernels' static_float: Dynamo made a float
+                # symbolic under dynamic=True or once it changed between calls, and math.isfinite of
+                # a symbolic float broke the graph, which fullgraph=True refused: layer_norm's eps. A
+                # value no check reads, constant_scale's, stays symbolic: one graph for every scale)
+                number = float.fromhex(number.hex())
     kind = ("a finite Python number" if finite else "a Python number") + ("" if minimum is None else f" >= {minimum:g}")
     if number is None or (finite and not math.isfinite(number)) or (minimum is not None and not number >= minimum):
         shown = repr(value) if isinstance(value, (int, float, str)) or _numpy_scalar_kind(value) else describe(value)

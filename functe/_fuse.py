@@ -1252,7 +1252,8 @@ class Fused:
             try:
                 program = trace_call(self.__wrapped__, args, kwargs, sources, called)
             except TraceError as e:
-                if hasattr(e, "capture"):
+                if hasattr(e, "capture") and _trace._plain_trainable(e.capture[1]):
+                    # (a tensor a transform sees, a module's under functional_call: the trace's own words)
                     _name_module_parameter(e, [*_trace._reached(self.__wrapped__), *called])
                 raise
             self.trace_count += 1

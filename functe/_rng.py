@@ -69,7 +69,7 @@ def saved_random_state(args: tuple, generators: tuple[torch.Generator, ...] = ()
     fused program holding one) runs eagerly and exactly, and ``fullgraph=True`` refuses it with
     functe's reason rather than Dynamo's words about ``get_rng_state``.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():  # (not a non-strict export: no Dynamo there)
         return _outside_graph(args, generators)
     return RandomState(args, generators)
 

@@ -916,7 +916,7 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
     label = name or f"opaque_{getattr(fn, '__name__', type(fn).__name__)}"
 
     def fwd(*args, **static):
-        if torch.compiler.is_compiling():  # (in a fused program's forward: see _vjp.run_outside_graph)
+        if torch.compiler.is_dynamo_compiling():  # (in a fused program's forward: see _vjp.run_outside_graph)
             return run_outside_graph(eager_fwd, args, static)
         return eager_fwd(*args, **static)
 

@@ -349,7 +349,9 @@ class CustomVJP:
         call = _Call(in_tree, static)
         if mode is _COMPILED:
             _refuse_compiled_transforms(self.name)
-            if self.eager_under_compile:
+            if self.eager_under_compile and torch.compiler.is_dynamo_compiling():
+                # (Dynamo only: a non-strict export also reports compiling, and there the disabled
+                # call would run this branch again and again)
                 return run_outside_graph(self, args, static)
             results = self.compiled_function.apply(call, *_distinct_tensors(leaves))
         elif mode is _EAGER:

@@ -264,6 +264,27 @@ def test_float_arguments_compile_fullgraph_with_dynamic_shapes(dynamic):
         torch._dynamo.reset()
 
 
+def test_an_opaque_op_exports_without_dynamo_and_a_changing_scale_compiles_once():
+    # A non-strict export (torch 2.13's default) reports compiling without Dynamo: an opaque op's
+    # eager detour called itself forever. And the number check specialised constant_scale's scale,
+    # which no check reads: a graph per value (the 9th refused fullgraph) and -0.0 lost its sign.
+    soft = functe.opaque(lambda q: torch.softmax(q, -1), name="export_attn")
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return soft(x) * 2
+
+    x = make((4, 8))
+    assert torch.equal(torch.export.export(Block(), (x,)).module()(x), Block()(x))
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    scaled = torch.compile(lambda x, s: ops.constant_scale(x, s), fullgraph=True, backend="eager")
+    zeros, sign = torch.zeros(3), lambda t: t.copysign(torch.ones(3))  # (1 or -1: the zero's sign)
+    for s in (0.5, 0.25, 3.0, 1.5, 2.5, 7.0, 9.0, 11.0, 13.0, -0.0):
+        assert torch.equal(sign(scaled(zeros, s)), sign(ops.constant_scale(zeros, s)))
+    assert counts["stats"]["unique_graphs"] <= 2  # (the first value, then one symbolic scale)
+
+
 def test_compiled_dropout_with_a_changing_p():
     # The fp32 scale 1/(1-p) is folded by Dynamo (assume_constant_result): a symbolic p raised.
     fn = lambda x, p: ops.dropout(x, p, seed=torch.tensor(3))

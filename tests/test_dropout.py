@@ -89,6 +89,8 @@ def test_p_zero_is_the_identity():
     out = ops.add_extra_input(torch.ones(5, 7), ops.dropout(x, 0.0, seed=1), in_place=True)
     assert torch.equal(x, before) and torch.equal(out, before + 1)
     assert torch.equal(functe.fuse(lambda x: 2.0 * ops.dropout(x, 0.0, seed=1))(x), 2.0 * before)  # (traced: no op)
+    sparse = x.to_sparse()  # (no view_as: returned as it is, as before)
+    assert ops.dropout(sparse, 0.0, seed=1) is sparse
 
 
 def test_a_zero_dim_input_under_forward_mode_meta_and_compile(backend):

@@ -1341,6 +1341,15 @@ def test_the_trace_names_a_trainable_module_parameter_it_captures():
     block = lambda x: ops.linear(ops.gelu(ops.linear(x, model[0].weight, model[0].bias)), model[2].weight)
     with pytest.raises(functe.TraceError, match=named):
         functe.fuse(block)(x)  # (the module reached by name)
+    # a parameter a transform sees (functional_call under grad, a frozen module) keeps the trace's
+    # words: "is being transformed", not "freeze it", which the caller did
+    frozen = torch.nn.Sequential(torch.nn.Linear(8, 4)).requires_grad_(False)
+    holder = torch.nn.Module()
+    holder.body, holder.forward = frozen, functe.fuse(frozen)  # (a module calling the fused one)
+    params = {f"body.{k}": v.detach() for k, v in frozen.named_parameters()}
+    transformed = r"f32\[4,8\] captured .* or is being transformed\); pass it"
+    with pytest.raises(functe.TraceError, match=transformed):
+        torch.func.grad(lambda p: torch.func.functional_call(holder, p, (x,)).sum())(params)
     # a captured tensor no module holds keeps the argument remedy
     loose = make((16, 8)).requires_grad_()
     with pytest.raises(functe.TraceError, match=r"f32\[16,8\] captured .* pass it to the traced function as an arg"):

@@ -71,5 +71,6 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
         # (a view, not x itself: a result that is the caller's own tensor was written by a donating
         # op, add_extra_input(..., in_place=True); a view counts as another holder of its storage. A
         # trace's value or a fake tensor passes through unchanged: a trace records no op here)
-        return x.view_as(x) if type(x) in (torch.Tensor, torch.nn.Parameter) else x
+        plain = type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout is torch.strided and not x.is_nested
+        return x.view_as(x) if plain else x  # (sparse and nested tensors have no view_as)
     return _dropout(x, seed, p=static_float(p))
