@@ -20,7 +20,9 @@ import optree
 import torch
 
 from ._collectives import check_same_layout, collective, meet_before_raising, resolve_group, stand_in
-from ._errors import DTypeError, check_flag, describe
+from ._errors import ArgumentError, DTypeError, check_flag, describe
+from ._fp8_state import flatten_states
+from ._state import ScalingState
 from ._train import value_and_grad
 from ._tree import tree_flatten, tree_unflatten
 
@@ -50,6 +52,17 @@ def all_reduce_gradients(tree: Any, *, group: ProcessGroup | None = None, averag
     like = next((t for t in leaves if isinstance(t, Tensor)), None)
     if like is None and g.size > 1:
         like = stand_in(g)
+    if any(isinstance(v, ScalingState) for v in flatten_states(tree)[0]):
+        # (summed or averaged, FP8 state cotangents make a state no rank measured: a mean amax in the
+        # history, a mean of scales, which the count of 1 let through; the ranks' larger tensors
+        # then saturated)
+        if like is not None:
+            meet_before_raising(like, g)
+        raise ArgumentError(
+            "functe.all_reduce_gradients: the tree holds a ScalingState (an FP8 state's cotangent): averaging "
+            "it over ranks gives a state no rank measured; leave states out of the reduction and reduce their "
+            "amaxes with amax_group= on the FP8 ops (functe.data_parallel_value_and_grad does both)"
+        )
     for leaf in leaves:
         if leaf is not None and not (isinstance(leaf, Tensor) and leaf.is_floating_point()):
             # (the other ranks may be waiting in the layout check: tell them)

@@ -228,8 +228,13 @@ def use_count(uses: Tensor | float, like: Tensor) -> Tensor:
 
 def _next_state(old: ScalingState, ct: ScalingState | None) -> tuple[ScalingState, Tensor | None]:
     """(next state, use count) from one state and its cotangent, without host synchronisation."""
-    if ct is None or ct.amax_history is None:
+    if ct is None or (ct.amax_history is None and ct.scale is None):
         return old, None
+    if ct.amax_history is None:
+        # (the classic route's .grad of a history leaf cut off, `amax_history.detach()`, beside its
+        # scale's: read as count 0, which beside a new scale is a cut below; it was "not reached",
+        # and the state froze silently)
+        ct = ScalingState(scale=ct.scale, amax_history=torch.zeros_like(old.amax_history))
     uses = ct.amax_history[..., 0]
     # A used state whose scale cotangent is 0 (or missing) had its scale leaf cut off on the way
     # (``scale.detach()``, a replaced scale): a new scale is never 0, so this counts as a bad use.

@@ -389,6 +389,12 @@ def test_a_detached_state_leaf_is_a_bad_use(leaf):
         functe.value_and_grad(loss)(w, state, x)
     _, _, unchecked = functe.value_and_grad(loss, check=False)(w, state, x)
     assert unchecked.input.scale.isnan() and unchecked.weight.scale.isfinite()
+    # the classic route: a cut history leaf's .grad is None beside its scale's, which read as "not
+    # reached" (the state froze silently); a cut scale's .grad is None beside a count of 1
+    leaves = functe.tree_map(lambda t: t.detach().clone().requires_grad_(), state)
+    loss(w, leaves, x).backward()
+    with pytest.raises(functe.StateError, match=r"state\.input .* reached its op through another op"):
+        functe.state_from_gradient(leaves, functe.tree_map(lambda t: t.grad, leaves))
 
 
 def test_value_and_grad_checks_no_counts_it_cannot_read():

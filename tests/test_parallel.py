@@ -61,6 +61,16 @@ def test_bad_parallel_arguments_name_the_argument(kwargs, error, match):
         ops.fp8_linear(x, w, None, None, recipe=functe.CurrentScaling(), **kwargs)
 
 
+def test_states_are_refused_by_the_gradient_reduction():
+    # Averaged over ranks, FP8 state cotangents made a state no rank measured (a mean amax, a mean
+    # of scales) that the use count of 1 let through: each rank's larger tensors saturated.
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    grads = {"w": torch.ones(2), "state": functe.init_linear_scaling_state(recipe)}
+    with pytest.raises(functe.ArgumentError, match=r"all_reduce_gradients: the tree holds a ScalingState"):
+        functe.all_reduce_gradients(grads)
+    assert functe.all_reduce_gradients({"w": grads["w"], "b": None})["w"] is grads["w"]
+
+
 def test_bad_collective_arguments():
     with pytest.raises(functe.ShapeError, match=r"all_gather: argument 'x' expected a tensor with a dimension 2"):
         ops.all_gather(make((3, 4)), dim=2, group=FAKE)
