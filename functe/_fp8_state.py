@@ -397,9 +397,11 @@ def _check_counts(counts: list[Tensor], names: list[str]) -> None:
         culprits = sorted({owners[i] for i, b in enumerate(bad) if b})
         raise StateError(
             f"functe.state_from_gradient: the scaling state at {', '.join(culprits)} was used more than once in one "
-            "step (its cotangents were summed), or reached its op through another op, or its leaves' .grad "
-            "accumulated over several backward calls (gradient accumulation, retain_graph: call "
-            "state_from_gradient after each backward and reset the .grad). Give each quantized op its "
+            "step (its cotangents were summed), or reached its op through another op or with a leaf cut off "
+            "(scale.detach(), amax_history.detach()), or its leaves' .grad accumulated over several backward "
+            "calls (gradient accumulation, retain_graph: call state_from_gradient after each backward and run "
+            "the next micro-batch with the state it returns), or 'grad' is a state rather than the ops' "
+            "cotangents (functe.value_and_grad returns the next state itself). Give each quantized op its "
             "own state, or fan one state out explicitly with functe.share_state(state, n, recipe=...), "
             "which combines the uses by max (under vmap: stack the n shares and batch them)."
         )

@@ -327,6 +327,9 @@ def test_share_state_combines_uses_by_max():
     assert torch.equal(shared.grad_output.scale, expected_go.scale)
     with pytest.raises(functe.StateError, match=r"state\.input.*used more than once"):
         _two_uses(recipe, state, x1, x2, w, share=False)
+    # a next state passed as the gradient (value_and_grad returns it already): the message says so
+    with pytest.raises(functe.StateError, match=r"or 'grad' is a state rather than the ops' cotangents"):
+        functe.state_from_gradient(state, shared)
 
 
 def test_share_state_with_an_unused_copy_is_a_single_use():
