@@ -234,14 +234,13 @@ def _check(kind: str, x: Tensor, group: Group, dim: int, op: str, who: str) -> N
     if all(row == rows[0] for row in rows):
         return
     _raise_if_ranks_differ_in_kind(rows, group, who, lambda row: (row[0], row[2]))
+    listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
     if any(row[-1] != rows[0][-1] for row in rows):
-        listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
         raise DistributedError(
             f"functe.{who}: the ranks of {group!r} run different collectives at this point: {listing}, "
             "not all for this one's purpose (a forward's and a backward's collective, say); every rank must "
             "run the same ops in the same order"
         )
-    listing = ", ".join(f"rank {r} calls {_describe_signature(row)}" for r, row in enumerate(rows))
     raise ShapeError(f"functe.{who}: every rank of {group!r} must pass the same shape and dtype: {listing}")
 
 

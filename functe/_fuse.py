@@ -49,7 +49,7 @@ from ._errors import ArgumentError, TraceError, TransformError, called_as, check
 from ._kernel import batched, empty_batched, formula_twins
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, _op_names, flat_spec, format_oplist, without_dead_code
 from ._recipe import check_recipe
-from ._rng import saved_random_state
+from ._rng import RandomState
 from ._trace import trace_call, vjp_call
 from ._tree import (
     NAMESPACE,
@@ -73,6 +73,7 @@ from ._vjp import (
     higher_order_anchor,
     input_labels,
     positional_names,
+    run_outside_graph,
 )
 
 Tensor = torch.Tensor
@@ -648,10 +649,7 @@ class Plan:
         taken = {id(t) for t in self._captured} | {id(t) for t in sources}
         seen = set()
         for owner in modules:
-            named = itertools.chain(
-                owner.named_parameters(remove_duplicate=False), owner.named_buffers(remove_duplicate=False)
-            )
-            for name, t in named:  # (every name of a tied tensor: rebinding any one of them unties it)
+            for name, t in _named_tensors(owner):  # (every name of a tied tensor: rebinding any one of them unties it)
                 path = tuple(name.split("."))
                 holder = functools.reduce(getattr, path[:-1], owner)
                 if id(t) in taken and (id(holder), path[-1]) not in seen:
@@ -828,7 +826,13 @@ def _replaying(forward: Callable, bwd: Callable) -> tuple[Callable, Callable]:
     must draw again what it drew (custom_vjp's jvp restores the earliest such state)."""
 
     def forward_from_state(*tensors):
-        state = saved_random_state(tensors)
+        # (Dynamo does not trace torch.get_rng_state: under it, a graph break with functe's reason,
+        # which fullgraph=True shows rather than Dynamo's words about get_rng_state)
+        state = (
+            run_outside_graph(RandomState, (tensors,), {})
+            if torch.compiler.is_dynamo_compiling()
+            else RandomState(tensors)
+        )
         out, res = forward(*tensors)
         return out, (state, res)
 
@@ -1600,6 +1604,14 @@ def _submodules(fn: Callable) -> list[torch.nn.Module]:
 
 _TRAINING = operator.attrgetter("training")
 
+
+def _named_tensors(module: torch.nn.Module):
+    """``(name, tensor)`` of every parameter and buffer of ``module``, under every name a tied one has."""
+    return itertools.chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+    )
+
+
 # (a module takes no parameters as arguments: what to do about a trainable one it captures)
 _MODULE_REMEDY = (
     "call the unfused module, or fuse a function taking its parameters (torch.func.functional_call), "
@@ -1614,10 +1626,7 @@ def _name_module_parameter(error: TraceError, reached: list) -> None:
     op_name, tensor = error.capture
     for module in reached:
         if isinstance(module, torch.nn.Module):
-            named = itertools.chain(
-                module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
-            )
-            name = next((name for name, t in named if t is tensor), None)
+            name = next((name for name, t in _named_tensors(module) if t is tensor), None)
             if name is not None:
                 error.args = (
                     f"functe.{op_name}: a tensor {describe(tensor)} (the module's {name!r}) captured "

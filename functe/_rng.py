@@ -60,26 +60,3 @@ class RandomState:
                 torch.cuda.set_rng_state(state, index)
             for g, state in now_own:
                 g.set_state(state)
-
-
-def saved_random_state(args: tuple, generators: tuple[torch.Generator, ...] = ()) -> RandomState:
-    """``RandomState(args, generators)``; under ``torch.compile`` outside the graph.
-
-    Dynamo does not trace ``torch.get_rng_state``: the op that saves the state (an opaque op, a
-    fused program holding one) runs eagerly and exactly, and ``fullgraph=True`` refuses it with
-    functe's reason rather than Dynamo's words about ``get_rng_state``.
-    """
-    if torch.compiler.is_dynamo_compiling():  # (not a non-strict export: no Dynamo there)
-        return _outside_graph(args, generators)
-    return RandomState(args, generators)
-
-
-# (a function: torch.compiler.disable of the class would wrap its __init__ for eager calls too)
-_outside_graph = torch.compiler.disable(
-    lambda args, generators: RandomState(args, generators),
-    reason=(
-        "functe: an op that recomputes its forward in its backward (a functe.opaque function, a fused "
-        "program holding one) saves the random generators' states, which Dynamo cannot trace; compile "
-        "with fullgraph=False (the op then runs eagerly and exactly) or write the function with functe ops"
-    ),
-)

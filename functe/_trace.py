@@ -49,7 +49,7 @@ from ._backend import any_tangent, forward_ad_active, use_backend
 from ._errors import ArgumentError, FuncteError, RuleError, TraceError, TransformError, check_callable, describe
 from ._kernel import batched_levels
 from ._oplist import Eqn, Literal, OpList, Var
-from ._rng import saved_random_state
+from ._rng import RandomState
 from ._tree import tree_flatten, tree_unflatten, with_contents
 from ._vjp import CustomVJP, cell_filled, custom_vjp, run_outside_graph
 
@@ -925,7 +925,7 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
             _refuse_captured_tangents(fn, label, args)
         # (before fn draws: the backward replays the same draws, also from generators it reaches;
         # looked up per call, ~15 us: a name rebound to a new generator each epoch is found)
-        rng = saved_random_state(args, _generators(fn, static))
+        rng = RandomState(args, _generators(fn, static))
         versions = [_version(a) for a in args]
         out = fn(*args, **static)
         _refuse_written_arguments(label, args, versions)

@@ -536,7 +536,8 @@ def _run_eagerly(fn: Callable, args: tuple, static: dict):
     return fn(*args, **static)
 
 
-# An opaque op under torch.compile (``fn`` the op, or its forward rule inside a fused program):
+# An opaque op under torch.compile (``fn`` the op, or its forward rule and the saved generator
+# states of a fused program holding it):
 # Dynamo failed inside the op's Function (an internal error loading its function from the
 # forward's closure; then torch.get_rng_state, which it does not trace), a crash even without
 # fullgraph, and a fused program's trace of the rule broke its graph at each of its checks. Run
