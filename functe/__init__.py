@@ -32,6 +32,7 @@ from ._errors import StateError as StateError
 from ._errors import TraceError as TraceError
 from ._errors import TransformError as TransformError
 from ._fp8_state import LinearScalingState as LinearScalingState
+from ._fp8_state import combine_state_gradients as combine_state_gradients
 from ._fp8_state import current_scale as current_scale
 from ._fp8_state import delayed_scaling_update as delayed_scaling_update
 from ._fp8_state import init_linear_scaling_state as init_linear_scaling_state

@@ -31,6 +31,7 @@ import torch
 
 from ._backend import has_values
 from ._errors import StateError, as_int, describe
+from ._late_writes import watch_replaced, written_after_replacement
 from ._recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe
 from ._state import ScalingState, check_scaling_state, init_scaling_state
 from ._tree import NAMESPACE, pytree_dataclass, tree_unflatten
@@ -322,6 +323,8 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
             new_leaves.append(old)
             continue
         _check_cotangent(old, ct, _keystr(path))
+        if check and not torch.compiler.is_compiling():  # (no hooks are registered under compile)
+            _check_no_late_write(old, _keystr(path))
         new, uses = _next_state(old, ct)
         new_leaves.append(
             ScalingState(_next_leaf(new.scale, old.scale), _next_leaf(new.amax_history, old.amax_history))
@@ -351,7 +354,21 @@ def _next_leaf(new: Tensor, old: Tensor) -> Tensor:
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     if not torch.compiler.is_compiling() and (wrapped(old) or wrapped(leaf)):
         return leaf
-    return leaf.requires_grad_()
+    leaf.requires_grad_()
+    watch_replaced(old, leaf)
+    return leaf
+
+
+def _check_no_late_write(state: ScalingState, where: str) -> None:
+    if written_after_replacement(state.scale) or written_after_replacement(state.amax_history):
+        raise StateError(
+            f"functe.state_from_gradient: a backward pass wrote into the old leaves of {where} after "
+            "state_from_gradient had already replaced them by this state (forwards interleaved over one state, "
+            "as in a pipeline's 1F1B schedule): that use's amaxes would be lost. Give each micro-batch in flight "
+            "its own copy of the state (functe.tree_map(lambda t: t.detach().clone().requires_grad_(), state)) "
+            "and update once, after their backwards: state_from_gradient(state, "
+            "functe.combine_state_gradients([each copy's gradient]))"
+        )
 
 
 def _match(spec, grad: Any) -> list:
@@ -400,8 +417,9 @@ def _check_counts(counts: list[Tensor], names: list[str]) -> None:
             "step (its cotangents were summed), or reached its op through another op or with a leaf cut off "
             "(scale.detach(), amax_history.detach()), or its leaves' .grad accumulated over several backward "
             "calls (gradient accumulation, retain_graph: call state_from_gradient after each backward and run "
-            "the next micro-batch with the state it returns), or 'grad' is a state rather than the ops' "
-            "cotangents (functe.value_and_grad returns the next state itself). Give each quantized op its "
+            "the next micro-batch with the state it returns, or give each micro-batch its own copy of the state "
+            "and combine their gradients with functe.combine_state_gradients), or 'grad' is a state rather than "
+            "the ops' cotangents (functe.value_and_grad returns the next state itself). Give each quantized op its "
             "own state, or fan one state out explicitly with functe.share_state(state, n, recipe=...), "
             "which combines the uses by max (under vmap: stack the n shares and batch them)."
         )
@@ -477,3 +495,99 @@ def share_state(state: LinearScalingState, n: int, *, recipe: DelayedScaling) ->
             f"history), got {recipe.amax_history_len}"
         )
     return _share_state(state, n=n, recipe=recipe)
+
+
+def combine_state_gradients(grads: Any) -> Any:
+    """One gradient for a state pytree from the gradients of its uses in separate backward passes.
+
+    :func:`share_state` combines the uses of one state inside one backward pass. When the uses run
+    in separate passes (a pipeline's 1F1B schedule, micro-batches whose forwards run before the
+    previous backward, or per-micro-batch ``torch.func.grad`` calls), give each use its own copy of
+    the state, collect each copy's gradient, and combine them here: each :class:`ScalingState`
+    takes the update of the use with the largest amax (flax's ``fp32_max_grad``, as
+    :func:`share_state`), uses that did not reach the state are ignored, and a use counted other
+    than once is reported by :func:`state_from_gradient`. Needs ``amax_history_len >= 2`` (each
+    use's amax travels in its history's last slot).
+
+    Example:
+        >>> import torch, functe
+        >>> recipe = functe.DelayedScaling(amax_history_len=4)
+        >>> state, w = functe.init_linear_scaling_state(recipe), torch.randn(8, 16)
+        >>> loss = lambda s, x: functe.ops.fp8_linear(x, w, None, s, recipe=recipe).sum()
+        >>> g1 = torch.func.grad(loss)(state, torch.ones(4, 16))
+        >>> g2 = torch.func.grad(loss)(state, torch.full((4, 16), 3.0))
+        >>> nxt = functe.state_from_gradient(state, functe.combine_state_gradients([g1, g2]))
+        >>> nxt.input.amax_history.tolist()
+        [0.0, 0.0, 0.0, 3.0]
+    """
+    if not isinstance(grads, (list, tuple)) or not grads:
+        raise StateError(
+            f"functe.combine_state_gradients: grads expected a non-empty list of gradients, got {describe(grads)}"
+        )
+    flat, spec = flatten_states(grads[0])
+    columns = [flat]
+    for i, grad in enumerate(grads[1:], 1):
+        leaves, other = flatten_states(grad)
+        if other != spec:
+            raise StateError(
+                f"functe.combine_state_gradients: grads[{i}]'s structure {other} does not match grads[0]'s {spec}"
+            )
+        columns.append(leaves)
+    combined = []
+    for path, cts in zip(spec.paths(), zip(*columns)):
+        states = [ct for ct in cts if _is_state(ct)]
+        if not states:
+            combined.append(cts[0])
+            continue
+        combined.append(_max_use(list(cts), _keystr(path)))
+    return tree_unflatten(spec, combined)
+
+
+def _max_use(cts: list, where: str) -> ScalingState:
+    """The cotangent of the use with the largest recorded amax; its count 0 or 1, or -1 for a bad use."""
+    first: dict[str, Tensor] = {}
+    for i, ct in enumerate(cts):
+        if ct is not None and not _is_state(ct):
+            raise StateError(
+                f"functe.combine_state_gradients: grads[{i}] at {where} expected a ScalingState, got {describe(ct)}"
+            )
+        for name in ("scale", "amax_history"):
+            value = None if ct is None else getattr(ct, name)
+            if value is None:
+                continue  # (the classic route's .grad of a leaf the backward never reached)
+            like = first.setdefault(name, value)
+            if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.shape != like.shape:
+                raise StateError(
+                    f"functe.combine_state_gradients: grads[{i}] at {where}.{name} expected "
+                    f"{describe(like) if value is not like else 'a float32 tensor'}, got {describe(value)}"
+                )
+    history_like = first.get("amax_history")
+    if history_like is None:
+        # No use recorded an amax: nothing to choose between (a scale beside no history is a cut
+        # history, which state_from_gradient reports).
+        return next(ct for ct in cts if _is_state(ct))
+    if history_like.dim() == 0 or history_like.shape[-1] < 2:
+        raise StateError(
+            f"functe.combine_state_gradients: needs amax_history_len >= 2 (each use's amax travels in its "
+            f"history's last slot), got {where}.amax_history {describe(history_like)}"
+        )
+
+    def field(ct, name: str, missing: Tensor) -> Tensor:
+        value = None if ct is None else getattr(ct, name)
+        return missing if value is None else value
+
+    missing_history = torch.zeros_like(history_like)
+    missing_scale = history_like.new_zeros(history_like.shape[:-1])
+    histories = torch.stack([field(ct, "amax_history", missing_history) for ct in cts])
+    scales = torch.stack([field(ct, "scale", missing_scale) for ct in cts])
+    counts, amaxes = histories[..., 0], histories[..., -1]
+    # As state_from_gradient reads one use: a count other than 0 or 1, or a cut leaf (a count of 1
+    # beside a zero scale, 0 beside a new one), is a bad use, and one bad use spoils the state.
+    cut = ((counts == 1) & (scales == 0)) | ((counts == 0) & (scales != 0))
+    bad = (((counts != 0) & (counts != 1)) | cut).any(0)
+    # The largest amax among the uses that ran (a NaN amax wins, as the max of the amaxes would be).
+    pick = torch.where(counts == 1, amaxes, torch.full_like(amaxes, float("-inf"))).argmax(0)
+    history = torch.take_along_dim(histories, pick[None, ..., None], 0)[0]
+    scale = torch.take_along_dim(scales, pick[None], 0)[0]
+    uses = torch.where(bad, torch.full_like(counts[0], -1.0), counts.amax(0))
+    return ScalingState(scale=scale, amax_history=torch.cat([uses[..., None], history[..., 1:]], -1))

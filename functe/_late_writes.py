@@ -1,0 +1,41 @@
+"""Backward passes that write into a scaling state's leaves after :func:`functe.state_from_gradient`
+replaced them (the classic autograd route).
+
+On the classic route a state's leaves require grad and ``.grad`` carries the update. With forwards
+interleaved over one state (a pipeline's 1F1B schedule: micro-batch 2's forward before micro-batch
+1's backward), micro-batch 2's backward lands in the *old* leaves after ``state_from_gradient``
+already turned them into the next state, whose ``.grad`` then stays ``None`` and reads as "not
+reached": that micro-batch's amaxes were lost without a trace. A post-accumulate-grad hook on each
+replaced leaf notes such a write, and the next ``state_from_gradient`` over the state that
+replaced it reports it.
+
+The registry is diagnostic only (no value a computation reads lives here): weak on both ends, so a
+state that nothing references any more, and every predecessor no pending backward can still reach,
+drops out by itself.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# next-state leaf -> [(replaced predecessor leaf, [written since?])] for the predecessors still alive:
+# a deep pipeline's backward may reach a state two or more updates back.
+_predecessors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def watch_replaced(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Note that ``new`` replaces the leaf ``old``: a later backward writing ``old.grad`` marks ``new``."""
+    if not old.is_leaf or torch.compiler.is_compiling():
+        return  # (a non-leaf gets no .grad; a compiled step's hooks would be Dynamo's to trace)
+    written = [False]
+    old.register_post_accumulate_grad_hook(lambda _leaf: written.__setitem__(0, True))
+    inherited = [(ref, flag) for ref, flag in _predecessors.get(old, ()) if ref() is not None]
+    _predecessors[new] = [(weakref.ref(old), written), *inherited]
+
+
+def written_after_replacement(leaf: torch.Tensor) -> bool:
+    """Whether a backward wrote into a leaf that ``leaf`` (or one of its predecessors) replaced."""
+    return any(flag[0] for _, flag in _predecessors.get(leaf, ()))
