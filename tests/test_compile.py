@@ -372,6 +372,36 @@ def test_a_compiled_training_step_runs_value_and_grad_eagerly_and_exactly(wrappe
         assert torch.equal(got, want)
 
 
+def test_a_compiled_step_over_torch_func_compiles_no_functe_frame():
+    # The transform graph-breaks and runs eagerly with Dynamo's frame callback still installed: every
+    # frame the eager Functions reached was compiled on its own (12 graphs for this step, and the
+    # rule wrapper shared by every op recompiled per op until the recompile limit), results off by
+    # an ulp and each step slower than eager. Now the step is one graph, exact, and stays one.
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def loss(p, x):
+        h = ops.gelu(ops.linear(ops.layer_norm(x, p["g"], p["b"]), p["w"]))
+        return ops.rms_norm(h, p["g2"]).square().mean()
+
+    def step(p, x):
+        g = torch.func.grad(loss)(p, x)
+        return {k: v - 0.1 * g[k] for k, v in p.items()}
+
+    torch._dynamo.reset()
+    params = {"g": torch.ones(8), "b": torch.zeros(8), "w": make((16, 8), torch.float32), "g2": torch.ones(16)}
+    compiled, eager = params, params
+    for i in range(3):
+        x = make((4, 8), torch.float32, scale=i + 1.0)
+        compiled, eager = torch.compile(step, backend=count)(compiled, x), step(eager, x)
+        for k in params:
+            assert torch.equal(compiled[k], eager[k]), k
+    assert len(graphs) == 1
+
+
 _CAPTURED_W, _CAPTURED_C = make((4, 4), torch.float32), make((4,), torch.float32)
 
 
