@@ -91,8 +91,19 @@ def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
                 f"functe.tree_from_dict: {key!r} expected {describe(leaf)} (as in the template), got {describe(value)}"
             )
         # (a template on the meta device describes shapes and dtypes only: the values stay where they are)
-        out.append(value if leaf.device.type == "meta" else value.to(leaf.device))
+        out.append(_marked_like(value if leaf.device.type == "meta" else value.to(leaf.device), leaf))
     return optree.tree_unflatten(spec, out)
+
+
+def _marked_like(value: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """``value`` requiring grad where the template's leaf does, as a fresh leaf. A checkpoint holds
+    values only: loaded unmarked, a classic-route FP8 state's .grad stayed None after a resume (read
+    as "not reached": its scale froze) and restored adapters got no gradient, both silently."""
+    if not leaf.requires_grad or value.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+        return value  # (a transform's wrapper: requires_grad is the transform's business)
+    if value.is_inference():
+        return value  # (read under inference_mode, for serving: torch refuses to mark it outside)
+    return value.detach().requires_grad_()
 
 
 def _listed(keys: list[str], shown: int = 10) -> str:

@@ -26,12 +26,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 _predecessors: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+# replaced leaf -> [written since?]: one hook per leaf however often it is replaced (a dry run of
+# state_from_gradient, a retry) and one flag its replacements share
+_written: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def watch_replaced(old: torch.Tensor, new: torch.Tensor) -> None:
     """Note that ``new`` replaces the leaf ``old``: a later backward writing ``old.grad`` marks ``new``."""
     if not old.is_leaf or torch.compiler.is_compiling():
         return  # (a non-leaf gets no .grad; a compiled step's hooks would be Dynamo's to trace)
-    written = [False]
-    old.register_post_accumulate_grad_hook(lambda _leaf: written.__setitem__(0, True))
+    written = _written.get(old)
+    if written is None:
+        written = _written[old] = [False]
+        old.register_post_accumulate_grad_hook(lambda _leaf: written.__setitem__(0, True))
     inherited = [(ref, flag) for ref, flag in _predecessors.get(old, ()) if ref() is not None]
     _predecessors[new] = [(weakref.ref(old), written), *inherited]
 

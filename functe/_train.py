@@ -28,7 +28,10 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
 
     Args:
         fn: the loss function; ``params`` and ``state`` are pytrees of tensors (``params`` of
-            floating-point tensors, ``None`` leaves getting ``None`` gradients; ``state`` made of
+            floating-point tensors, ``None`` leaves and frozen ``nn.Parameter`` s
+            (``requires_grad=False``: a LoRA base) getting ``None`` gradients, as autograd gives
+            them, and costing no weight-gradient GEMM; any other tensor is differentiated, as
+            ``torch.func.grad`` does; ``state`` made of
             :class:`functe.ScalingState` s, e.g. :class:`functe.LinearScalingState` s, or ``None``).
         has_aux: ``fn`` returns ``(loss, aux)``; the result's first item is then ``(loss, aux)``.
         check: reject a state that was used twice in the step (one host synchronisation;
@@ -149,11 +152,12 @@ def _refuse_hidden_tensors(
 
 
 def _trainable_positions(leaves: list, params: Any) -> list[int]:
-    """The positions of ``params``' tensor leaves; a ``None`` leaf (an absent bias) gets a ``None``
-    gradient; anything else is refused naming its key (torch.func's message names nothing)."""
+    """The positions of ``params``' tensor leaves; a ``None`` leaf (an absent bias) and a frozen
+    ``nn.Parameter`` get a ``None`` gradient; anything else is refused naming its key (torch.func's
+    message names nothing)."""
     positions = []
     for i, leaf in enumerate(leaves):
-        if leaf is None:
+        if leaf is None or _frozen_parameter(leaf):
             continue
         if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
             raise ArgumentError(
@@ -162,6 +166,17 @@ def _trainable_positions(leaves: list, params: Any) -> list[int]:
             )
         positions.append(i)
     return positions
+
+
+def _frozen_parameter(leaf: Any) -> bool:
+    """A module's parameter frozen with ``requires_grad_(False)`` (LoRA's base, BitFit's weights).
+
+    ``dict(model.named_parameters())`` is the usual ``params``: differentiated as torch.func does
+    (every leaf), the frozen base got a gradient (and its wgrad GEMMs ran), which the usual
+    ``p.grad = g; optimizer.step()`` then applied to it, where autograd leaves ``.grad`` ``None``
+    and the optimizer skips it. A plain tensor carries no such intent (``torch.randn`` does not
+    require grad) and is always differentiated."""
+    return isinstance(leaf, torch.nn.Parameter) and not leaf.requires_grad
 
 
 def _leaf_key(tree: Any, i: int) -> str:

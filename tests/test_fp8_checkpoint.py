@@ -31,6 +31,52 @@ def test_resumed_run_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, suff
     assert not torch.equal(straight[2]["fc1"].input.scale, start[2]["fc1"].input.scale)  # the states moved
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_classic_route_resume_keeps_leaves_marked(tmp_path, suffix):
+    # A checkpoint holds values only: loaded unmarked, the FP8 state's .grad stayed None after the
+    # resume ("not reached": its scale froze at the loaded value) and a restored adapter trained no
+    # more, both silently. Two classic steps, save, load, two more equal four straight steps.
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    xs = [torch.randn(8, 32) * (1 + 4 * i) for i in range(4)]  # growing inputs: the scale must move
+    start = {
+        "w": torch.randn(16, 32).requires_grad_(),
+        "frozen": torch.randn(16, 32),
+        "state": functe.tree_map(lambda t: t.requires_grad_(), functe.init_linear_scaling_state(recipe)),
+    }
+
+    def steps(tree, batches):
+        w, state = tree["w"], tree["state"]
+        for x in batches:
+            loss = functe.ops.fp8_linear(x, w + tree["frozen"], None, state, recipe=recipe).square().mean()
+            loss.backward()
+            state = functe.state_from_gradient(state, functe.tree_map(lambda t: t.grad, state))
+            with torch.no_grad():
+                w = (w - 1e-3 * w.grad).requires_grad_()
+        return {"w": w, "frozen": tree["frozen"], "state": state}
+
+    def fresh(tree):  # (each run its own leaves: .grad accumulates into the ones it is given)
+        return functe.tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad), tree)
+
+    straight = steps(fresh(start), xs)
+    half = steps(fresh(start), xs[:2])
+    functe.save_tree(tmp_path / f"c{suffix}", half)
+    loaded = functe.load_tree(tmp_path / f"c{suffix}", half)
+    assert [t.requires_grad for t in functe.tree_leaves(loaded)] == [t.requires_grad for t in functe.tree_leaves(half)]
+    assert all(t.is_leaf for t in functe.tree_leaves(loaded))
+    assert _same_tree(steps(loaded, xs[2:]), straight)
+    assert not torch.equal(straight["state"].input.scale, half["state"].input.scale)  # the scale moved after it
+
+
+def test_a_checkpoint_read_under_inference_mode_restores_unmarked():
+    # (a serving process: torch refuses requires_grad_() on an inference tensor outside inference_mode)
+    template = dict(torch.nn.Linear(4, 2).named_parameters())
+    with torch.inference_mode():
+        flat = {k: v.detach().clone() for k, v in template.items()}
+    restored = functe.tree_from_dict(template, flat)
+    assert all(torch.equal(restored[k], template[k]) and not restored[k].requires_grad for k in template)
+
+
 def test_a_pt_checkpoint_loads_onto_the_templates_device_and_stores_views_compactly(tmp_path, monkeypatch):
     # torch.load without map_location deserialised onto the saved device (a GPU checkpoint failed on a
     # CPU-only machine); a saved view wrote its whole storage (one row of a 1000x1000 tensor: 4 MB)

@@ -420,3 +420,31 @@ def test_value_and_grad_checks_no_counts_it_cannot_read():
     assert step("meta") == expected
     with FakeTensorMode():
         assert step("cpu") == expected
+
+
+def test_value_and_grad_leaves_a_frozen_parameter_alone():
+    # dict(model.named_parameters()) with the base frozen (LoRA): differentiated like every leaf,
+    # the base got a gradient that `p.grad = g; optimizer.step()` applied; autograd gives None.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    base = torch.nn.Parameter(torch.randn(16, 32), requires_grad=False)
+    a, b = torch.nn.Parameter(torch.randn(4, 32)), torch.nn.Parameter(torch.zeros(16, 4) + 0.1)
+    x = torch.randn(8, 32)
+
+    def loss(p, s, x):
+        return (ops.fp8_linear(x, p["base"], None, s, recipe=recipe) + ops.linear(ops.linear(x, p["a"]), p["b"])).sum()
+
+    state = functe.init_linear_scaling_state(recipe)
+    with FlopCounterMode(display=False) as frozen_flops:
+        _, grads, _ = functe.value_and_grad(loss)({"base": base, "a": a, "b": b}, state, x)
+    assert grads["base"] is None
+    loss({"base": base, "a": a, "b": b}, state, x).backward()
+    torch.testing.assert_close(grads["a"], a.grad, rtol=0, atol=0)
+    torch.testing.assert_close(grads["b"], b.grad, rtol=0, atol=0)
+    # the frozen weight's gradient GEMM (16x32 from 8 rows: 2*8*16*32 flops) does not run
+    with FlopCounterMode(display=False) as all_flops:
+        _, every, _ = functe.value_and_grad(loss)({"base": base.detach(), "a": a, "b": b}, state, x)
+    assert every["base"] is not None  # (a plain tensor is always differentiated, as torch.func does)
+    assert all_flops.get_total_flops() - frozen_flops.get_total_flops() == 2 * 8 * 16 * 32
