@@ -131,8 +131,8 @@ def test_close_to_the_unquantized_linear(name):
 def test_seed_is_required_reproducible_and_used_only_in_backward():
     recipe = RECIPES["nvfp4"]
     x, w = torch.randn(48, 32), torch.randn(16, 32) * 0.2
-    with pytest.raises(TypeError, match="seed"):
-        ops.fp8_linear(x, w, None, None, recipe=recipe)
+    with pytest.raises(TypeError, match="seed"):  # (where a gradient may be taken: see the inference test)
+        ops.fp8_linear(x, w.clone().requires_grad_(), None, None, recipe=recipe)
     with pytest.raises(TypeError, match="seed"):
         ops.fp8_linear(x, w, None, None, recipe=recipe, seed=1.5)
 
@@ -233,3 +233,21 @@ def test_nearby_seeds_never_share_a_stream():
     seeds = range(-(2**12), 2**12)
     keys = {s ^ c for s in seeds for c in streams}
     assert len(keys) == len(seeds) * len(streams)
+
+
+def test_nvfp4_inference_needs_no_seed():
+    # The draws are the gradients' own (RHT on the wgrad operands, SR on dy): a served model was
+    # told to "pass a new seed each step". Anything that may differentiate still needs one, and so
+    # does a fused function (its plan may serve training calls).
+    recipe = functe.NVFP4BlockScaling()
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 32), torch.randn(16, 32)
+    with torch.no_grad():
+        seeded = ops.fp8_linear(x, w, None, None, recipe=recipe, seed=7)
+        torch.testing.assert_close(ops.fp8_linear(x, w, None, None, recipe=recipe), seeded, rtol=0, atol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(ops.fp8_linear(x, w, None, None, recipe=recipe), seeded, rtol=0, atol=0)
+    with pytest.raises(functe.ArgumentError, match=r"argument 'seed' expected"):
+        ops.fp8_linear(x, w.requires_grad_(), None, None, recipe=recipe)
+    with torch.no_grad(), pytest.raises(functe.ArgumentError, match=r"argument 'seed' expected"):
+        functe.fuse(lambda x: ops.fp8_linear(x, w, None, None, recipe=recipe))(x)

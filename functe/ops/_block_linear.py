@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import torch
 
+from .._backend import records
 from .._block_quantize import SR_DGRAD_STREAM, BlockRecipe, cast_block, operand_dtype, wgrad_operand
 from .._errors import ArgumentError
 from .._fp8_gemm import gemm_nt
 from .._recipe import NVFP4BlockScaling
 from .._seed import seed_tensor
+from .._trace import tracing
 from .._vjp import custom_vjp, quantized_first_order
 from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
@@ -106,6 +108,10 @@ _block_linear = custom_vjp(
 def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, recipe: BlockRecipe, seed) -> Tensor:
     """The block-scaled quantized linear (arguments already validated by ``fp8_linear``, except the seed)."""
     if isinstance(recipe, NVFP4BlockScaling) and recipe.uses_seed:
+        if seed is None and not records((x, weight, bias)) and not tracing():
+            # (inference: the draws are the gradients' own, RHT on the wgrad operands and SR on dy;
+            # a trace's plan may serve training calls, so a fused function still needs the seed)
+            return _block_linear(x, weight, bias, None, recipe=recipe)
         if seed is None:
             raise ArgumentError(
                 "functe.fp8_linear: argument 'seed' expected a Python int or an int64 tensor: NVFP4BlockScaling draws "
