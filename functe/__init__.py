@@ -60,6 +60,7 @@ from ._recipe import MXFP8BlockScaling as MXFP8BlockScaling
 from ._recipe import NVFP4BlockScaling as NVFP4BlockScaling
 from ._state import ScalingState as ScalingState
 from ._state import init_scaling_state as init_scaling_state
+from ._trace import UnwatchedConstantWarning as UnwatchedConstantWarning
 from ._trace import opaque as opaque
 from ._trace import trace as trace
 from ._train import value_and_grad as value_and_grad

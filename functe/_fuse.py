@@ -45,7 +45,8 @@ import torch
 from . import _trace
 from ._autocast import autocast_state, without_autocast
 from ._backend import any_tangent, get_backend, unaliased_outputs
-from ._errors import ArgumentError, TraceError, TransformError, called_as, check_callable, describe
+from ._errors import ArgumentError, TraceError, TransformError, called_as, check_callable, describe, describe_shape
+from ._folded import FoldedConstants
 from ._kernel import batched, empty_batched, formula_twins
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, _op_names, flat_spec, format_oplist, without_dead_code
 from ._recipe import check_recipe
@@ -382,6 +383,25 @@ def _owners(eqn: Eqn) -> tuple[Eqn, ...]:
     return eqn.covers if eqn.phase in ("forward", "backward") else (eqn,)
 
 
+def _dead_after(program: OpList, forward: OpList) -> list[list[Var]]:
+    """Per forward step, the variables no later step reads (intermediates only: the program's inputs
+    stay the caller's, and its outputs are returned)."""
+    keep = {v for v in program.inputs} | {a for a in program.outputs if isinstance(a, Var)}
+    last: dict[Var, int] = {}
+    for i, e in enumerate(forward.eqns):
+        for v in e.outputs:
+            if v is not None:
+                last[v] = i  # (an output nothing reads dies where it is made)
+        for a in e.inputs:
+            if isinstance(a, Var):
+                last[a] = i
+    dead: list[list[Var]] = [[] for _ in forward.eqns]
+    for v, i in last.items():
+        if v not in keep:
+            dead[i].append(v)
+    return dead
+
+
 def _generate(
     program: OpList, forward: OpList, live: _Liveness, input_labels: Callable[[], list[str]]
 ) -> tuple[str, dict]:
@@ -390,24 +410,33 @@ def _generate(
     res_names = {e: f"r{i}" for i, e in enumerate(live.residuals)}
     inputs = ", ".join(em.var(v) for v in program.inputs)
 
+    dead_after = _dead_after(program, forward)
+
     def forward_body(keep_residuals: bool) -> None:
-        for e in forward.eqns:
+        for i, e in enumerate(forward.eqns):
             call = f"{em.glob(e.op.fwd, 'f')}({em.args(e)})"
-            if e.phase == "forward":
-                if e.out_tree == LEAF and e.outputs[0] is not None:
-                    em.emit(f"{em.var(e.outputs[0])}, _r = {call}")
-                else:
-                    em.emit(f"_o, _r = {call}")
-                    em.bind(e, "_o")
-                if keep_residuals and any(o in res_names for o in e.covers):
-                    em.emit(f"{', '.join(res_names.get(o, '_') for o in e.covers)}, = _r")
-                continue
-            r = res_names.get(e, "_") if keep_residuals else "_"
-            if e.out_tree == LEAF and e.outputs[0] is not None:
-                em.emit(f"{em.var(e.outputs[0])}, {r} = {call}")
+            if e.phase == "forward":  # (a fused step: one residual tuple per op it covers)
+                r = "_r" if keep_residuals and any(o in res_names for o in e.covers) else "_"
             else:
-                em.emit(f"_o, {r} = {call}")
+                r = res_names.get(e, "_") if keep_residuals else "_"
+            single = e.out_tree == LEAF and e.outputs[0] is not None
+            # (residuals no one keeps are dropped at once: bound to `_`, the op's inputs they hold
+            # lived on until the next op's)
+            result = f"{call}[0]" if r == "_" else call
+            bound = "" if r == "_" else f", {r}"
+            if single:
+                em.emit(f"{em.var(e.outputs[0])}{bound} = {result}")
+            else:
+                em.emit(f"_o{bound} = {result}")
                 em.bind(e, "_o")
+            if r == "_r":
+                em.emit(f"{', '.join(res_names.get(o, '_') for o in e.covers)}, = _r")
+            # Free each intermediate after its last use, as eager code does when it rebinds a name:
+            # kept to the return, a deep block's activations all lived at once (peak memory grew
+            # with depth under no_grad). _o and _r, the op's result tuples, hold tensors too.
+            dead = [em.var(v) for v in dead_after[i]] + ([] if single else ["_o"]) + (["_r"] if r == "_r" else [])
+            if dead:
+                em.emit(f"del {', '.join(dead)}")
 
     def outputs(in_function: bool) -> str:
         if not in_function:
@@ -578,7 +607,14 @@ class Plan:
     """
 
     def __init__(
-        self, program: OpList, rules, recipe, name: str, sources: list[Tensor] = (), parameter_names: list[str] = ()
+        self,
+        program: OpList,
+        rules,
+        recipe,
+        name: str,
+        sources: list[Tensor] = (),
+        parameter_names: list[str] = (),
+        viewed: list[Tensor] = (),
     ):
         from .rules import rewrite  # functe.rules imports the ops; imported late to keep import order simple
 
@@ -612,6 +648,10 @@ class Plan:
         # change), with their version counters and requires_grad: an in-place update, or a tensor
         # starting to require grad, makes the plan stale (retraced), see _trace._CapturedWatch.
         self.sources = [(weakref.ref(t), t._version, t.requires_grad, _trace.storage_of(t)) for t in sources]
+        # Captured tensors the program holds views of (w.t(), w[:n], w.data), with their storages: a
+        # view reads its tensor's values live, but a tensor given a new storage (w.data = ...,
+        # module.half().float()) leaves the view on the old one, which the plan kept computing with.
+        self.viewed = [(weakref.ref(t), _trace.storage_of(t)) for t in viewed]
         self.bindings: list[tuple] = []  # (see bind)
         self.checks_captured = bool(self._captured or self._opaque_eqns)
         full = self.variant(None)
@@ -647,19 +687,28 @@ class Plan:
         """Remember which parameters and buffers of ``modules`` the plan took as constants (captured
         tensors it reads, folded constants' ``sources``), by their names and metadata: see :meth:`stale`."""
         taken = {id(t) for t in self._captured} | {id(t) for t in sources}
+        # (a module tensor the program reads through a view, w.t() or w.chunk(3), shares its storage:
+        # bound too, so that load_state_dict(assign=True) or functional_call retraces)
+        viewed = {_trace.storage_of(t) for t in self._captured}
+        watched = {id(ref()) for ref, _ in self.viewed}
         seen = set()
         for owner in modules:
             for name, t in _named_tensors(owner):  # (every name of a tied tensor: rebinding any one of them unties it)
                 path = tuple(name.split("."))
                 holder = functools.reduce(getattr, path[:-1], owner)
-                if id(t) in taken and (id(holder), path[-1]) not in seen:
+                if (id(holder), path[-1]) in seen:
+                    continue
+                if id(t) in taken or _trace.storage_of(t) in viewed:
                     seen.add((id(holder), path[-1]))
                     self.bindings.append((owner, path[:-1], path[-1], t, t.dtype, t.shape))
+                    if id(t) not in taken and id(t) not in watched:
+                        watched.add(id(t))
+                        self.viewed.append((weakref.ref(t), _trace.storage_of(t)))
 
     @property
     def watches(self) -> bool:
         """Whether :meth:`stale` has anything to check."""
-        return bool(self.sources or self.bindings)
+        return bool(self.sources or self.bindings or self.viewed)
 
     def stale(self) -> bool:
         """Whether a captured tensor the trace folded into a constant changed in place since, or
@@ -675,6 +724,10 @@ class Plan:
                 t._version != version or t.requires_grad != requires_grad or _trace.storage_of(t) != storage
             ):
                 return True  # (a new storage: p.data = ..., set_())
+        for ref, storage in self.viewed:
+            t = ref()
+            if t is not None and _trace.storage_of(t) != storage:
+                return True
         return False
 
     def rebound(self) -> bool:
@@ -1058,6 +1111,7 @@ class Fused:
         self._called: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self._modules_epoch = -1  # (_REGISTRATIONS when _mode_modules was found)
         self._structure = 0  # (bumped when the module tree changed: a key entry)
+        self._folded = FoldedConstants()  # (one copy of a constant every plan folds: see _folded)
 
     def _training_flags(self) -> tuple:
         """``(structure, flag, ...)``: the ``training`` flag of every module the function reaches by
@@ -1252,14 +1306,16 @@ class Fused:
             if index is not None and (stale is None or not self._plans[index].stale()):
                 return index
             sources: dict[int, Tensor] = {}
+            viewed: dict[int, Tensor] = {}
             called: list[torch.nn.Module] = []
             try:
-                program = trace_call(self.__wrapped__, args, kwargs, sources, called)
+                program = trace_call(self.__wrapped__, args, kwargs, sources, called, viewed)
             except TraceError as e:
                 if hasattr(e, "capture") and _trace._plain_trainable(e.capture[1]):
                     # (a tensor a transform sees, a module's under functional_call: the trace's own words)
                     _name_module_parameter(e, [*_trace._reached(self.__wrapped__), *called])
                 raise
+            self._folded.share(program)
             self.trace_count += 1
             plan = Plan(
                 program,
@@ -1268,6 +1324,7 @@ class Fused:
                 self.__name__,
                 list(sources.values()),
                 positional_names(self.__wrapped__),
+                list(viewed.values()),
             )
             # (the modules fn reaches by name: a plan that took some of their parameters or buffers
             # as constants checks at each call that their names still give those tensors)
@@ -1318,12 +1375,21 @@ class Fused:
     def _warn_retracing(self, key: tuple, leaves: list) -> None:
         """Warn once that plans pile up, naming the static leaves that changed since the last trace."""
         previous = self._last_key
-        changed = []
+        changed, reshaped = [], []
         if previous is not None and len(previous) == len(key) and previous[:2] == key[:2]:
             for leaf, old, new in zip(leaves, previous[2:], key[2:]):
-                if old != new and not isinstance(leaf, Tensor):
+                if old == new:
+                    continue
+                if isinstance(old[0], torch.Size) and isinstance(new[0], torch.Size):  # (tensor entries)
+                    reshaped.append(f"{describe_shape(old[1], old[0])} -> {describe_shape(new[1], new[0])}")
+                elif not isinstance(leaf, Tensor):
                     changed.append(f"{_shown(old)} -> {_shown(new)}")
         what = f"static leaves changed: {', '.join(changed)}; " if changed else ""
+        if reshaped:
+            # (a served model's prompt lengths, a decode loop's growing cache: every shape its plan)
+            what += (
+                f"tensor shapes changed: {', '.join(reshaped)} (one plan per shape: pad or bucket lengths that vary); "
+            )
         flags = self._training_flags()
         if flags and previous is not None and flags not in previous[len(leaves) + 2 :]:
             # (the modules' training flags key the plans too: toggling layers one by one makes plans)

@@ -32,6 +32,7 @@ import logging
 import math
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,7 @@ class _Trace:
         self.caller_grad = caller_grad
         # The saved-tensor hooks in force when the trace began (a checkpoint around the fused call)
         self.saved_tensor_hooks = _saved_tensor_hooks()
+        self.watch: _CapturedWatch | None = None  # (what the function reads from, and made, outside the trace)
 
 
 def _saved_tensor_hooks():
@@ -285,7 +287,7 @@ def _atom(op_name: str, leaf: Any, trace: _Trace):
             constant = leaf
         if constant is None:
             raise _trainable_capture(op_name, leaf)
-        return Literal(constant)
+        return Literal(constant, fresh=trace.watch is not None and trace.watch._made(_unwrapped(constant)))
     return Literal(leaf)
 
 
@@ -480,10 +482,12 @@ def trace_call(
     kwargs: dict,
     sources: dict[int, Tensor] | None = None,
     called: list[torch.nn.Module] | None = None,
+    viewed: dict[int, Tensor] | None = None,
 ) -> OpList:
     """Trace ``fn(*args, **kwargs)`` (see :func:`trace`); ``sources`` collects the captured tensors
     whose values computations folded into constants read (see :class:`_CapturedWatch`), ``called``
-    the modules the function called (however it reached them: an argument, a dict, a helper)."""
+    the modules the function called (however it reached them: an argument, a dict, a helper),
+    ``viewed`` the captured tensors the program holds views of (``w.t()``: their storages are watched)."""
     leaves, in_tree = tree_flatten((args, kwargs))
     t = _Trace(caller_grad=torch.is_grad_enabled())
     inputs: list[Var] = []
@@ -500,7 +504,9 @@ def trace_call(
     targs, tkwargs = tree_unflatten(in_tree, traced_leaves)
     # Under grad mode, so that ops take their differentiable path (no donation).
     # (out of inference mode: a plan traced during an eval pass must serve training calls too)
-    watch = _CapturedWatch({} if sources is None else sources, _reachable_storages(fn))
+    watch = t.watch = _CapturedWatch(
+        {} if sources is None else sources, _reachable_storages(fn), {} if viewed is None else viewed
+    )
     with (
         _refusing_generator_changes(fn, static),  # (outside the watch: its reads are not the function's)
         _recording(t),
@@ -510,9 +516,30 @@ def trace_call(
         _refusing_module_hooks(called),
     ):
         out = fn(*targs, **tkwargs)
+    if watch.unwatched and sources is not None:
+        _warn_unwatched(fn, list(watch.unwatched.values()))
     out_leaves, out_tree = tree_flatten(out)
     outputs = [_output_atom(leaf, t, watch) for leaf in out_leaves]
     return OpList(inputs, t.eqns, outputs, in_tree=in_tree, out_tree=out_tree, static=static)
+
+
+class UnwatchedConstantWarning(UserWarning):
+    """A fused function folded a computation on a captured inference tensor into a constant."""
+
+
+def _warn_unwatched(fn: Callable, tensors: list[Tensor]) -> None:
+    # (a folded constant over a tensor with a version counter is checked at every call; an inference
+    # tensor has none, so a weight synced in place under inference_mode, load_state_dict or copy_,
+    # left the plan computing with the old values, silently)
+    shown = ", ".join(describe(t) for t in tensors[:3]) + (f" and {len(tensors) - 3} more" if len(tensors) > 3 else "")
+    warnings.warn(
+        f"functe.fuse({getattr(fn, '__name__', type(fn).__name__)}): a computation folded into a constant reads "
+        f"inference tensors ({shown}, made under torch.inference_mode), which have no version counter: an "
+        "in-place update of them (load_state_dict, copy_) will not reach the plan, which keeps the old values. "
+        "Create them outside inference_mode, or pass them to the fused function as arguments",
+        UnwatchedConstantWarning,
+        stacklevel=6,  # (the fused function's caller: through trace_call, _new_plan, _lookup, __call__)
+    )
 
 
 class _DrawWatch(TorchDispatchMode):
@@ -663,12 +690,14 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
     tensors, which have none.
     """
 
-    def __init__(self, sources: dict[int, Tensor], reachable: set[int] = frozenset()):
+    def __init__(self, sources: dict[int, Tensor], reachable: set[int] = frozenset(), viewed=None):
         super().__init__()
+        self.viewed = {} if viewed is None else viewed  # id -> captured tensor a result is a view of
         self.reachable = reachable  # storages of the tensors the function reaches by name (state it may write)
         self.sources = sources  # id -> captured tensor a folded computation read
         self.made: dict[int, weakref.ref] = {}  # id -> tensor made during the trace (weakly: not kept alive)
         self.captured: dict[int, Tensor] = {}  # storage -> the captured tensor first seen with it
+        self.unwatched: dict[int, Tensor] = {}  # storage -> an inference tensor a folded computation read
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -688,10 +717,15 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
         if any(isinstance(t, (Tracer, _ShapeOnly)) for t in tensors):
             return out
         read = {}  # storage -> the captured tensor whose values the call reads (a view stands for it)
+        unwatched = {}  # (the same for inference tensors: no version counter tells when they change)
         for t in tensors:
-            if t.device.type == "meta" or t.is_inference():  # (an inference tensor has no version counter)
+            if t.device.type == "meta":
                 continue
             storage = storage_of(t)
+            if t.is_inference():
+                if not self._made(t):
+                    unwatched[storage] = t
+                continue
             if not self._made(t):
                 read[storage] = self.captured.setdefault(storage, t)
             elif storage in self.captured:  # a view of a captured tensor (w.t(), w.data)
@@ -703,9 +737,13 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
             if isinstance(r, Tensor):
                 r = _unwrapped(r)
                 if r.device.type != "meta":
-                    read.pop(storage_of(r), None)
+                    base = read.pop(storage_of(r), None)
+                    if base is not None:
+                        self.viewed[id(base)] = base
+                    unwatched.pop(storage_of(r), None)
                 self.made[id(r)] = weakref.ref(r)
         self.sources.update((id(t), t) for t in read.values())
+        self.unwatched.update(unwatched)
         return out
 
     def _refuse_effects(self, func, args: tuple, kwargs: dict) -> None:
