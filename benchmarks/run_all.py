@@ -19,6 +19,7 @@ SCRIPTS = [
     "bench_gemm",
     "bench_fuse",
     "bench_parallel",
+    "bench_serving",
 ]
 
 
