@@ -41,6 +41,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import _trace
 from ._autocast import autocast_state, without_autocast
@@ -704,6 +705,19 @@ class Plan:
                     if id(t) not in taken and id(t) not in watched:
                         watched.add(id(t))
                         self.viewed.append((weakref.ref(t), _trace.storage_of(t)))
+        self._watch_batch_counts(modules, {id(t) for t in sources})
+
+    def _watch_batch_counts(self, modules: list[torch.nn.Module], sources: set[int]) -> None:
+        """A fold over BatchNorm's running statistics (a BN folded into a weight for inference) also
+        watches the layer's ``num_batches_tracked``: the statistics are updated in place without a
+        version bump (a training forward left the folded weight stale silently), the count with one."""
+        for owner in modules:
+            for bn in owner.modules():
+                count = getattr(bn, "num_batches_tracked", None)
+                if not isinstance(bn, torch.nn.modules.batchnorm._NormBase) or not isinstance(count, Tensor):
+                    continue
+                if id(bn.running_mean) in sources or id(bn.running_var) in sources:
+                    self.sources.append((weakref.ref(count), count._version, False, _trace.storage_of(count)))
 
     @property
     def watches(self) -> bool:
@@ -1110,6 +1124,7 @@ class Fused:
         # passed as an argument once, is not kept alive by the fused function
         self._called: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self._modules_epoch = -1  # (_REGISTRATIONS when _mode_modules was found)
+        self._hook_epoch, self._hooked = -1, False  # (RemovableHandle.next_id when hooks were looked for)
         self._structure = 0  # (bumped when the module tree changed: a key entry)
         self._folded = FoldedConstants()  # (one copy of a constant every plan folds: see _folded)
 
@@ -1127,7 +1142,15 @@ class Fused:
         if self._modules_epoch != _REGISTRATIONS[0]:
             self._find_modules()
         modules = self._mode_modules  # (~0.2 us per module on the 2-core CI machine: map, not a genexpr)
-        return (self._structure, *map(_TRAINING, modules)) if modules else ()
+        if not modules:
+            return ()
+        if RemovableHandle.next_id != self._hook_epoch:
+            # A hook registered after the trace never ran (the plan calls no module): a new flag keys
+            # a new plan, whose trace refuses the hook by name. Every registration takes a handle
+            # from one global counter, so the modules are walked only after one (~0.5 us each).
+            self._hook_epoch = RemovableHandle.next_id
+            self._hooked = _trace.hooks_present(modules)
+        return (self._structure, self._hooked, *map(_TRAINING, modules))
 
     def _flags_now(self) -> tuple:
         """:meth:`_training_flags` of the modules found last, as compiled code reads them (Dynamo
@@ -1135,7 +1158,7 @@ class Fused:
         the modules are found outside the graph, by :func:`_find_mode_modules`; and Dynamo cannot
         call an attrgetter)."""
         modules = self._mode_modules
-        return (self._structure, *(m.training for m in modules)) if modules else ()
+        return (self._structure, self._hooked, *(m.training for m in modules)) if modules else ()
 
     def _find_modules(self) -> None:
         _count_module_registrations()
@@ -1150,6 +1173,7 @@ class Fused:
         if old is None or list(found) != old:
             self._structure += 1
         self._mode_modules = list(found.values())  # (equal when nothing changed: Dynamo guards it by ==)
+        self._hook_epoch = -1  # (other modules: look for hooks again)
         _TRACKED.update(self._mode_modules)
 
     def __call__(self, *args, **kwargs):
@@ -1672,9 +1696,18 @@ _TRAINING = operator.attrgetter("training")
 
 
 def _named_tensors(module: torch.nn.Module):
-    """``(name, tensor)`` of every parameter and buffer of ``module``, under every name a tied one has."""
+    """``(name, tensor)`` of every parameter and buffer of ``module``, under every name a tied one has,
+    and of its plain tensor attributes: a pruned or (classic) weight-normed module's ``weight``, which
+    its pre-hook sets anew at every call of the module (read by ``fuse(module.forward)``, the old one
+    stayed in the plan)."""
+    attributes = (
+        (f"{prefix}.{key}" if prefix else key, value)
+        for prefix, sub in module.named_modules(remove_duplicate=False)
+        for key, value in vars(sub).items()
+        if isinstance(value, Tensor)
+    )
     return itertools.chain(
-        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False), attributes
     )
 
 

@@ -514,6 +514,7 @@ def trace_call(
         torch.enable_grad(),
         watch,
         _refusing_module_hooks(called),
+        _parametrize_cache_off(),
     ):
         out = fn(*targs, **tkwargs)
     if watch.unwatched and sources is not None:
@@ -633,6 +634,32 @@ def _user_hooks(hooks) -> list:
     from torch.nn.utils.weight_norm import WeightNorm
 
     return [h for h in hooks.values() if not isinstance(h, (WeightNorm, BasePruningMethod))]
+
+
+@contextlib.contextmanager
+def _parametrize_cache_off():
+    """While a trace runs: parametrized weights computed from their originals, not read from
+    ``parametrize.cached()``'s cache. A cached weight is no read of the original, so the plan never
+    watched it (updates to the original went unseen for good), and a weight computed in the trace
+    went into the cache as a Tracer that later eager calls met."""
+    from torch.nn.utils import parametrize
+
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled
+
+
+def hooks_present(modules) -> bool:
+    """Whether any of ``modules`` has user hooks, or torch has global module hooks (but functe's own
+    trace check): what :func:`_refusing_module_hooks` refuses in a trace, for a cached call to see."""
+    from torch.nn.modules import module as nn_module
+
+    if any(not getattr(h, "_functe_check", False) for name in _GLOBAL_HOOKS for h in getattr(nn_module, name).values()):
+        return True
+    return any(_user_hooks(getattr(m, name, None)) for m in modules for name in _HOOK_KINDS)
 
 
 @contextlib.contextmanager

@@ -90,3 +90,83 @@ def test_functional_call_substitutes_a_weight_read_through_a_view():
     torch.testing.assert_close(got, _qkv(x, substitute["qkv"]), rtol=0, atol=0)
     with pytest.raises(functe.TraceError, match=r"captured from the enclosing scope requires gradients"):
         torch.func.grad(lambda p: torch.func.functional_call(module, p, (x,)).sum())(substitute)
+
+
+def test_a_hook_registered_after_the_trace_is_refused_not_skipped():
+    # The plan calls no module: a hook added after the first call never ran, silently. A hook now
+    # keys a new plan, whose trace refuses it by name as a hook present at the first call is.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).requires_grad_(False)
+    fused, x = functe.fuse(net), torch.randn(2, 4)
+    fused(x)
+    handle = net[1].register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(functe.TraceError, match=r"module Linear has forward hooks"):
+        fused(x)
+    handle.remove()
+    torch.testing.assert_close(fused(x), net(x), rtol=0, atol=0)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        with pytest.raises(functe.TraceError, match=r"global forward pre-hooks"):
+            fused(x)
+    finally:
+        handle.remove()
+    # other registrations (a tensor hook) walk the modules again but key no new plan
+    traces = fused.trace_count
+    x.clone().requires_grad_().register_hook(lambda g: g)
+    fused(x)
+    assert fused.trace_count == traces
+
+
+def test_a_weight_from_parametrize_cached_is_watched_through_its_original():
+    # Inside parametrize.cached() the trace read the cached weight, not the original: updates to
+    # the original went unseen for good, and the trace left a Tracer in the cache.
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).requires_grad_(False)
+    parametrize.register_parametrization(lin, "weight", Double())
+    fused = functe.fuse(lambda x: ops.linear(x, lin.weight, lin.bias))
+    x = torch.randn(2, 4)
+    with parametrize.cached():
+        lin(x)  # (fills the cache)
+        fused(x)
+        lin(x)  # (an eager call in the block: it met a Tracer in the cache)
+    with torch.no_grad():
+        lin.parametrizations.weight.original.mul_(-1)
+    torch.testing.assert_close(fused(x), lin(x), rtol=0, atol=0)
+
+
+def test_a_pruned_weight_set_by_its_hook_is_followed_by_name():
+    # prune keeps `weight` as a plain attribute its pre-hook sets anew at each module call:
+    # fuse(lin.forward) kept the first one (1.4e3 off after two mask updates).
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).requires_grad_(False)
+    prune.l1_unstructured(lin, "weight", amount=0.25)
+    fused, x = functe.fuse(lin.forward), torch.randn(2, 8)
+    fused(x)
+    with torch.no_grad():
+        lin.weight_orig.mul_(3.0)
+    lin(x)  # (the hook sets lin.weight from the new original)
+    torch.testing.assert_close(fused(x), lin.forward(x), rtol=0, atol=0)
+
+
+def test_a_fold_over_batchnorm_statistics_follows_training_forwards():
+    # BatchNorm updates its running statistics in place without a version bump: a BN folded into a
+    # weight for inference stayed stale after training forwards (0.23 off in the review's repro).
+    torch.manual_seed(0)
+    bn, lin = torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4).requires_grad_(False)
+
+    def folded(x):
+        return ops.linear(x, lin.weight * (bn.running_var + bn.eps).rsqrt(), lin.bias)
+
+    fused, x = functe.fuse(folded), torch.randn(2, 4)
+    fused(x)
+    with torch.no_grad():
+        bn(torch.randn(16, 4) * 3)  # (training mode: the statistics move)
+    torch.testing.assert_close(fused(x), folded(x), rtol=0, atol=0)
