@@ -691,8 +691,7 @@ class Plan:
         # (a module tensor the program reads through a view, w.t() or w.chunk(3), shares its storage:
         # bound too, so that load_state_dict(assign=True) or functional_call retraces)
         viewed = {_trace.storage_of(t) for t in self._captured}
-        watched = {id(ref()) for ref, _ in self.viewed}
-        seen = set()
+        seen, bound_views = set(), set()
         for owner in modules:
             for name, t in _named_tensors(owner):  # (every name of a tied tensor: rebinding any one of them unties it)
                 path = tuple(name.split("."))
@@ -701,10 +700,12 @@ class Plan:
                     continue
                 if id(t) in taken or _trace.storage_of(t) in viewed:
                     seen.add((id(holder), path[-1]))
-                    self.bindings.append((owner, path[:-1], path[-1], t, t.dtype, t.shape))
-                    if id(t) not in taken and id(t) not in watched:
-                        watched.add(id(t))
-                        self.viewed.append((weakref.ref(t), _trace.storage_of(t)))
+                    # (a tensor read through a view: its storage is checked with its name, one check)
+                    storage = None if id(t) in taken else _trace.storage_of(t)
+                    self.bindings.append((owner, path[:-1], path[-1], t, t.dtype, t.shape, storage))
+                    if storage is not None:
+                        bound_views.add(id(t))
+        self.viewed = [(ref, storage) for ref, storage in self.viewed if id(ref()) not in bound_views]
         self._watch_batch_counts(modules, {id(t) for t in sources})
 
     def _watch_batch_counts(self, modules: list[torch.nn.Module], sources: set[int]) -> None:
@@ -730,8 +731,11 @@ class Plan:
         or whether a parameter or buffer of a module the function reaches that the plan took as a
         constant now names another tensor (``torch.func.functional_call``, ``load_state_dict(assign=True)``,
         a submodule replaced) or has another dtype or shape (``module.half()`` swaps its ``.data``)."""
-        if self.rebound():
-            return True
+        for owner, modules, name, t, dtype, shape, storage in self.bindings:  # (rebound() and the storages)
+            if _named_tensor(owner, modules, name) is not t or t.dtype is not dtype or t.shape != shape:
+                return True
+            if storage is not None and _trace.storage_of(t) != storage:
+                return True  # (a module tensor read through a view, given a new storage: half().float())
         for ref, version, requires_grad, storage in self.sources:
             t = ref()
             if t is not None and (
@@ -747,7 +751,7 @@ class Plan:
     def rebound(self) -> bool:
         """Whether a module name the plan bound (:meth:`bind`) gives another tensor, or its tensor has
         another dtype or shape (part of :meth:`stale`; no version counters, so Dynamo can trace it)."""
-        for owner, modules, name, t, dtype, shape in self.bindings:  # (~1 µs each: one per captured weight)
+        for owner, modules, name, t, dtype, shape, _ in self.bindings:  # (~1 µs each: one per captured weight)
             if _named_tensor(owner, modules, name) is not t or t.dtype is not dtype or t.shape != shape:
                 return True  # (a device move changes the arguments' devices too: a new signature)
         return False
@@ -1386,7 +1390,7 @@ class Fused:
     def _warn_stale(self, plan: Plan) -> None:
         """Warn once that changes to captured tensors keep invalidating plans."""
         read = [t for t in (ref() for ref, *_ in plan.sources) if t is not None]
-        read += [t for *_, t, _, _ in plan.bindings]
+        read += [t for *_, t, _, _, _ in plan.bindings]
         shown = ", ".join(describe(t) for t in read[:3])
         warnings.warn(
             f"functe.fuse({self.__name__}) has retraced {self.stale_retraces} times because tensors it captured "

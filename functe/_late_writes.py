@@ -21,28 +21,30 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# next-state leaf -> [(replaced predecessor leaf, [written since?])] for the predecessors still alive:
-# a deep pipeline's backward may reach a state two or more updates back.
+# next-state leaf -> [(replaced predecessor leaf, its write count, the count when replaced)] for the
+# predecessors still alive: a deep pipeline's backward may reach a state two or more updates back.
 _predecessors: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-# replaced leaf -> [written since?]: one hook per leaf however often it is replaced (a dry run of
-# state_from_gradient, a retry) and one flag its replacements share
-_written: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# replaced leaf -> [backward writes into it so far]: one hook per leaf however often it is replaced
+# (a dry run of state_from_gradient, a skipped step's retry); each replacement remembers the count
+# it was made at, so a write before a later replacement of the same leaf is not that one's
+_writes: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def watch_replaced(old: torch.Tensor, new: torch.Tensor) -> None:
     """Note that ``new`` replaces the leaf ``old``: a later backward writing ``old.grad`` marks ``new``."""
     if not old.is_leaf or torch.compiler.is_compiling():
         return  # (a non-leaf gets no .grad; a compiled step's hooks would be Dynamo's to trace)
-    written = _written.get(old)
-    if written is None:
-        written = _written[old] = [False]
-        old.register_post_accumulate_grad_hook(lambda _leaf: written.__setitem__(0, True))
-    inherited = [(ref, flag) for ref, flag in _predecessors.get(old, ()) if ref() is not None]
-    _predecessors[new] = [(weakref.ref(old), written), *inherited]
+    writes = _writes.get(old)
+    if writes is None:
+        writes = _writes[old] = [0]
+        old.register_post_accumulate_grad_hook(lambda _leaf: writes.__setitem__(0, writes[0] + 1))
+    inherited = [entry for entry in _predecessors.get(old, ()) if entry[0]() is not None]
+    _predecessors[new] = [(weakref.ref(old), writes, writes[0]), *inherited]
 
 
 def written_after_replacement(leaf: torch.Tensor) -> bool:
-    """Whether a backward wrote into a leaf that ``leaf`` (or one of its predecessors) replaced."""
-    return any(flag[0] for _, flag in _predecessors.get(leaf, ()))
+    """Whether a backward wrote into a leaf that ``leaf`` (or one of its predecessors) replaced,
+    after the replacement."""
+    return any(writes[0] > at for _, writes, at in _predecessors.get(leaf, ()))

@@ -725,6 +725,7 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
         self.made: dict[int, weakref.ref] = {}  # id -> tensor made during the trace (weakly: not kept alive)
         self.captured: dict[int, Tensor] = {}  # storage -> the captured tensor first seen with it
         self.unwatched: dict[int, Tensor] = {}  # storage -> an inference tensor a folded computation read
+        self.inference_captured: dict[int, Tensor] = {}  # storage -> the captured inference tensor first seen
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -751,7 +752,9 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
             storage = storage_of(t)
             if t.is_inference():
                 if not self._made(t):
-                    unwatched[storage] = t
+                    unwatched[storage] = self.inference_captured.setdefault(storage, t)
+                elif storage in self.inference_captured:  # (a view of one: w.t() * 2 reads w)
+                    unwatched[storage] = self.inference_captured[storage]
                 continue
             if not self._made(t):
                 read[storage] = self.captured.setdefault(storage, t)

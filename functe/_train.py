@@ -39,7 +39,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
 
     Works under ``torch.func.vmap`` (each ensemble member keeps its own state). A stateless recipe's
     state is ``None`` (also the next state returned), which ``vmap`` refuses to batch as an output:
-    give it ``out_dims=(0, 0, None)`` (or a ``None`` for each stateless leaf of a mixed state). Under
+    give it ``out_dims=(0, 0, None)`` (or a ``None`` for each stateless leaf of a mixed state; the same
+    for a frozen ``nn.Parameter`` shared by every member, whose gradient is ``None``). Under
     ``torch.compile`` compile ``fn`` itself and take gradients with ``torch.autograd.grad``
     outside (pytorch#193279, ``docs/design.md``); a compiled training step that calls the returned
     step runs it eagerly and exactly (Dynamo compiles the rest around it; ``fullgraph=True`` refuses).

@@ -945,6 +945,8 @@ def _outside_dynamo(method: Callable) -> Callable:
     """
 
     def run(*args):
+        if torch.compiler.is_dynamo_compiling():  # (compiled autograd inlines the method: let it)
+            return method(*args)
         prior = _set_eval_frame(None)
         try:
             return method(*args)

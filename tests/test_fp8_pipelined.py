@@ -99,6 +99,10 @@ def test_sequential_micro_batches_and_a_discarded_update_are_not_reported():
     again = functe.state_from_gradient(state, _grads(state))
     assert again.input.amax_history[-1].item() == pytest.approx(xs[0].abs().max().item())
     del discarded
+    # ... and the step after the retry: the retry's backward wrote into `state` before `again` was
+    # made (one shared flag per leaf read it as a late write into `again`'s predecessor)
+    _loss(w, xs[1], again).backward()
+    functe.state_from_gradient(again, _grads(again))
 
 
 def test_replaced_states_are_not_kept_alive():

@@ -134,6 +134,9 @@ def test_a_fold_over_an_inference_tensor_warns():
     folded = functe.fuse(lambda x: ops.linear(x, frozen.to(torch.bfloat16)))
     with torch.inference_mode(), pytest.warns(functe.UnwatchedConstantWarning, match=r"inference tensors \(f32\[8,8\]"):
         folded(x)
+    through_a_view = functe.fuse(lambda x: ops.linear(x, (frozen.t() * 2).to(torch.bfloat16)))
+    with torch.inference_mode(), pytest.warns(functe.UnwatchedConstantWarning, match=r"inference tensors"):
+        through_a_view(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         direct = functe.fuse(lambda x: ops.linear(x, frozen))
