@@ -41,7 +41,6 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from . import _trace
 from ._autocast import autocast_state, without_autocast
@@ -799,14 +798,17 @@ class Plan:
 
 
 def _named_tensor(owner: torch.nn.Module, modules: tuple[str, ...], name: str) -> Tensor | None:
-    """The parameter or buffer ``name`` of ``owner``'s submodule at ``modules``, through the dicts that
-    ``functional_call`` and attribute assignment write (a plan checks them per call: no ``getattr``)."""
+    """The parameter, buffer or plain tensor attribute ``name`` of ``owner``'s submodule at ``modules``,
+    through the dicts that ``functional_call`` and attribute assignment write (a plan checks them per
+    call: no ``getattr``)."""
     for part in modules:
         owner = owner._modules.get(part)
         if owner is None:
             return None
     t = owner._parameters.get(name)
-    return owner._buffers.get(name) if t is None else t
+    if t is None:
+        t = owner._buffers.get(name)
+    return owner.__dict__.get(name) if t is None else t  # (a plain attribute: pruning's weight)
 
 
 class _Variant:
@@ -1128,7 +1130,6 @@ class Fused:
         # passed as an argument once, is not kept alive by the fused function
         self._called: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self._modules_epoch = -1  # (_REGISTRATIONS when _mode_modules was found)
-        self._hook_epoch, self._hooked = -1, False  # (RemovableHandle.next_id when hooks were looked for)
         self._structure = 0  # (bumped when the module tree changed: a key entry)
         self._folded = FoldedConstants()  # (one copy of a constant every plan folds: see _folded)
 
@@ -1146,15 +1147,7 @@ class Fused:
         if self._modules_epoch != _REGISTRATIONS[0]:
             self._find_modules()
         modules = self._mode_modules  # (~0.2 us per module on the 2-core CI machine: map, not a genexpr)
-        if not modules:
-            return ()
-        if RemovableHandle.next_id != self._hook_epoch:
-            # A hook registered after the trace never ran (the plan calls no module): a new flag keys
-            # a new plan, whose trace refuses the hook by name. Every registration takes a handle
-            # from one global counter, so the modules are walked only after one (~0.5 us each).
-            self._hook_epoch = RemovableHandle.next_id
-            self._hooked = _trace.hooks_present(modules)
-        return (self._structure, self._hooked, *map(_TRAINING, modules))
+        return (self._structure, *map(_TRAINING, modules)) if modules else ()
 
     def _flags_now(self) -> tuple:
         """:meth:`_training_flags` of the modules found last, as compiled code reads them (Dynamo
@@ -1162,7 +1155,7 @@ class Fused:
         the modules are found outside the graph, by :func:`_find_mode_modules`; and Dynamo cannot
         call an attrgetter)."""
         modules = self._mode_modules
-        return (self._structure, self._hooked, *(m.training for m in modules)) if modules else ()
+        return (self._structure, *(m.training for m in modules)) if modules else ()
 
     def _find_modules(self) -> None:
         _count_module_registrations()
@@ -1177,7 +1170,6 @@ class Fused:
         if old is None or list(found) != old:
             self._structure += 1
         self._mode_modules = list(found.values())  # (equal when nothing changed: Dynamo guards it by ==)
-        self._hook_epoch = -1  # (other modules: look for hooks again)
         _TRACKED.update(self._mode_modules)
 
     def __call__(self, *args, **kwargs):
@@ -1699,20 +1691,21 @@ def _submodules(fn: Callable) -> list[torch.nn.Module]:
 _TRAINING = operator.attrgetter("training")
 
 
-def _named_tensors(module: torch.nn.Module):
+def _named_tensors(module: torch.nn.Module, *, attributes: bool = True):
     """``(name, tensor)`` of every parameter and buffer of ``module``, under every name a tied one has,
     and of its plain tensor attributes: a pruned or (classic) weight-normed module's ``weight``, which
     its pre-hook sets anew at every call of the module (read by ``fuse(module.forward)``, the old one
     stayed in the plan)."""
-    attributes = (
+    tensors = (
         (f"{prefix}.{key}" if prefix else key, value)
         for prefix, sub in module.named_modules(remove_duplicate=False)
         for key, value in vars(sub).items()
         if isinstance(value, Tensor)
     )
-    return itertools.chain(
-        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False), attributes
+    named = itertools.chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
     )
+    return itertools.chain(named, tensors) if attributes else named
 
 
 # (a module takes no parameters as arguments: what to do about a trainable one it captures)
@@ -1729,7 +1722,9 @@ def _name_module_parameter(error: TraceError, reached: list) -> None:
     op_name, tensor = error.capture
     for module in reached:
         if isinstance(module, torch.nn.Module):
-            name = next((name for name, t in _named_tensors(module) if t is tensor), None)
+            # (parameters and buffers: a plain attribute such as pruning's weight is a product of
+            # them, which "freeze it" cannot reach)
+            name = next((name for name, t in _named_tensors(module, attributes=False) if t is tensor), None)
             if name is not None:
                 error.args = (
                     f"functe.{op_name}: a tensor {describe(tensor)} (the module's {name!r}) captured "

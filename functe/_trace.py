@@ -644,22 +644,15 @@ def _parametrize_cache_off():
     went into the cache as a Tracer that later eager calls met."""
     from torch.nn.utils import parametrize
 
+    # (relative, not saved and restored: the counter is the process's, and another thread's cached()
+    # block may open or close during the trace; restored absolutely, it ended at 1 or -1 with no
+    # block open and cached every parametrized weight forever)
     enabled = parametrize._cache_enabled
-    parametrize._cache_enabled = 0
+    parametrize._cache_enabled -= enabled
     try:
         yield
     finally:
-        parametrize._cache_enabled = enabled
-
-
-def hooks_present(modules) -> bool:
-    """Whether any of ``modules`` has user hooks, or torch has global module hooks (but functe's own
-    trace check): what :func:`_refusing_module_hooks` refuses in a trace, for a cached call to see."""
-    from torch.nn.modules import module as nn_module
-
-    if any(not getattr(h, "_functe_check", False) for name in _GLOBAL_HOOKS for h in getattr(nn_module, name).values()):
-        return True
-    return any(_user_hooks(getattr(m, name, None)) for m in modules for name in _HOOK_KINDS)
+        parametrize._cache_enabled += enabled
 
 
 @contextlib.contextmanager
