@@ -1448,7 +1448,10 @@ def test_templates_and_inference_tensors_are_no_sources():
         frozen = make((16, 8))
     fn = lambda x: ops.linear(x, frozen.t().contiguous()) + torch.ones(4, 8).to(p) + torch.ones(4, 8).type_as(p)
     fused, x = functe.fuse(fn), make((4, 16)).requires_grad_()
-    assert fused.plan(x).sources == [] and torch.equal(fused(x), fn(x))
+    # (the fold through a view of the inference tensor is unwatched: said so since stop 30)
+    with pytest.warns(functe.UnwatchedConstantWarning, match=r"inference tensors \(f32\[16,8\]"):
+        plan = fused.plan(x)
+    assert plan.sources == [] and torch.equal(fused(x), fn(x))
 
 
 def test_a_plan_retraced_on_every_call_warns():
