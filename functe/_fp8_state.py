@@ -240,10 +240,8 @@ def _next_state(old: ScalingState, ct: ScalingState | None) -> tuple[ScalingStat
     # A used state whose scale cotangent is 0 (or missing) had its scale leaf cut off on the way
     # (``scale.detach()``, a replaced scale): a new scale is never 0, so this counts as a bad use.
     scale_ct = torch.zeros_like(old.scale) if ct.scale is None else ct.scale
-    # Likewise a count of 0 with a new scale: the history leaf was cut (``amax_history.detach()``,
-    # a replaced history) while the op ran.
-    cut = ((uses == 1) & (scale_ct == 0)) | ((uses == 0) & (scale_ct != 0))
-    uses = torch.where(cut, torch.full_like(uses, -1.0), uses)
+    # Likewise a count of 0 with a new scale: the history leaf was cut (see _leaf_cut).
+    uses = torch.where(_leaf_cut(uses, scale_ct), torch.full_like(uses, -1.0), uses)
     ct = ScalingState(scale=scale_ct, amax_history=ct.amax_history)
     history = torch.cat([torch.zeros_like(ct.amax_history[..., :1]), ct.amax_history[..., 1:]], -1)
     keep, take = uses == 0, uses == 1
@@ -255,6 +253,13 @@ def _next_state(old: ScalingState, ct: ScalingState | None) -> tuple[ScalingStat
         keep_h, old.amax_history, torch.where(take_h, history, torch.full_like(history, float("nan")))
     )
     return ScalingState(scale=scale, amax_history=history), uses
+
+
+def _leaf_cut(uses: Tensor, scale_ct: Tensor) -> Tensor:
+    """Where a use had a leaf cut on its way: a count of 1 beside a zero scale cotangent (the scale
+    cut: a new scale is never 0), or 0 beside a new scale (the history cut, ``amax_history.detach()``,
+    a replaced history, while the op ran)."""
+    return ((uses == 1) & (scale_ct == 0)) | ((uses == 0) & (scale_ct != 0))
 
 
 def hides_tensors(x: Any, depth: int = 3, *, wrapped_only: bool = False) -> bool:
@@ -535,11 +540,7 @@ def combine_state_gradients(grads: Any) -> Any:
         columns.append(leaves)
     combined = []
     for path, cts in zip(spec.paths(), zip(*columns)):
-        states = [ct for ct in cts if _is_state(ct)]
-        if not states:
-            combined.append(cts[0])
-            continue
-        combined.append(_max_use(list(cts), _keystr(path)))
+        combined.append(_max_use(list(cts), _keystr(path)) if any(map(_is_state, cts)) else cts[0])
     return tree_unflatten(spec, combined)
 
 
@@ -583,8 +584,7 @@ def _max_use(cts: list, where: str) -> ScalingState:
     counts, amaxes = histories[..., 0], histories[..., -1]
     # As state_from_gradient reads one use: a count other than 0 or 1, or a cut leaf (a count of 1
     # beside a zero scale, 0 beside a new one), is a bad use, and one bad use spoils the state.
-    cut = ((counts == 1) & (scales == 0)) | ((counts == 0) & (scales != 0))
-    bad = (((counts != 0) & (counts != 1)) | cut).any(0)
+    bad = (((counts != 0) & (counts != 1)) | _leaf_cut(counts, scales)).any(0)
     # The largest amax among the uses that ran (a NaN amax wins, as the max of the amaxes would be).
     pick = torch.where(counts == 1, amaxes, torch.full_like(amaxes, float("-inf"))).argmax(0)
     history = torch.take_along_dim(histories, pick[None, ..., None], 0)[0]

@@ -386,7 +386,7 @@ def _owners(eqn: Eqn) -> tuple[Eqn, ...]:
 def _dead_after(program: OpList, forward: OpList) -> list[list[Var]]:
     """Per forward step, the variables no later step reads (intermediates only: the program's inputs
     stay the caller's, and its outputs are returned)."""
-    keep = {v for v in program.inputs} | {a for a in program.outputs if isinstance(a, Var)}
+    keep = set(program.inputs) | {a for a in program.outputs if isinstance(a, Var)}
     last: dict[Var, int] = {}
     for i, e in enumerate(forward.eqns):
         for v in e.outputs:
@@ -730,11 +730,8 @@ class Plan:
         or whether a parameter or buffer of a module the function reaches that the plan took as a
         constant now names another tensor (``torch.func.functional_call``, ``load_state_dict(assign=True)``,
         a submodule replaced) or has another dtype or shape (``module.half()`` swaps its ``.data``)."""
-        for owner, modules, name, t, dtype, shape, storage in self.bindings:  # (rebound() and the storages)
-            if _named_tensor(owner, modules, name) is not t or t.dtype is not dtype or t.shape != shape:
-                return True
-            if storage is not None and _trace.storage_of(t) != storage:
-                return True  # (a module tensor read through a view, given a new storage: half().float())
+        if self.rebound(storages=True):
+            return True
         for ref, version, requires_grad, storage in self.sources:
             t = ref()
             if t is not None and (
@@ -747,12 +744,16 @@ class Plan:
                 return True
         return False
 
-    def rebound(self) -> bool:
+    def rebound(self, storages: bool = False) -> bool:
         """Whether a module name the plan bound (:meth:`bind`) gives another tensor, or its tensor has
-        another dtype or shape (part of :meth:`stale`; no version counters, so Dynamo can trace it)."""
-        for owner, modules, name, t, dtype, shape, _ in self.bindings:  # (~1 µs each: one per captured weight)
+        another dtype or shape (part of :meth:`stale`; no version counters, so Dynamo can trace it).
+        ``storages``: also whether a tensor the plan reads through a view has a new storage
+        (``half().float()``; eagerly only: Dynamo cannot read a storage)."""
+        for owner, modules, name, t, dtype, shape, storage in self.bindings:  # (~1 µs each: one per captured weight)
             if _named_tensor(owner, modules, name) is not t or t.dtype is not dtype or t.shape != shape:
                 return True  # (a device move changes the arguments' devices too: a new signature)
+            if storages and storage is not None and _trace.storage_of(t) != storage:
+                return True
         return False
 
     def variant(self, needs_grad: tuple[bool, ...] | None) -> _Variant:

@@ -743,16 +743,12 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
             if t.device.type == "meta":
                 continue
             storage = storage_of(t)
-            if t.is_inference():
-                if not self._made(t):
-                    unwatched[storage] = self.inference_captured.setdefault(storage, t)
-                elif storage in self.inference_captured:  # (a view of one: w.t() * 2 reads w)
-                    unwatched[storage] = self.inference_captured[storage]
-                continue
+            # (an inference tensor is kept apart: no version counter, so no source to watch)
+            reads, seen = (unwatched, self.inference_captured) if t.is_inference() else (read, self.captured)
             if not self._made(t):
-                read[storage] = self.captured.setdefault(storage, t)
-            elif storage in self.captured:  # a view of a captured tensor (w.t(), w.data)
-                read[storage] = self.captured[storage]
+                reads[storage] = seen.setdefault(storage, t)
+            elif storage in seen:  # a view of a captured tensor (w.t(), w.data)
+                reads[storage] = seen[storage]
         # A result that is a view of a captured tensor (w.t(), table[i]) reads none of that tensor's
         # values: it stays live through the storage. Every other captured argument was read (the
         # index i), and so is everything when the result is not a tensor (x.item(), c[:] = w).
@@ -760,10 +756,11 @@ class _CapturedWatch(torch.overrides.TorchFunctionMode):
             if isinstance(r, Tensor):
                 r = _unwrapped(r)
                 if r.device.type != "meta":
-                    base = read.pop(storage_of(r), None)
+                    storage = storage_of(r)
+                    base = read.pop(storage, None)
                     if base is not None:
                         self.viewed[id(base)] = base
-                    unwatched.pop(storage_of(r), None)
+                    unwatched.pop(storage, None)
                 self.made[id(r)] = weakref.ref(r)
         self.sources.update((id(t), t) for t in read.values())
         self.unwatched.update(unwatched)
