@@ -23,7 +23,7 @@ from functe.kernels import activation as act_kernels
 from functe.kernels import dropout as dropout_kernels
 from functe.kernels import norm as norm_kernels
 
-from ._harness import bench, machine, table
+from ._harness import bench, gpu_time, machine, table
 
 Tensor = torch.Tensor
 
@@ -234,9 +234,11 @@ def _kernel_launches(case: Case, args, dy):
 
 def run_gpu(cases, shape, dtype, *, reps, device="cuda", compile_: bool = True) -> str:
     """Achieved bandwidth of each Triton kernel as a fraction of a device copy, and fwd+bwd vs torch.compile."""
+    # (CUDA events where there is a GPU; off one, as the CPU test of this code path runs it, wall time)
+    timed = gpu_time if torch.device(device).type == "cuda" else lambda fn: bench(fn, warmup=1, reps=reps)
     src = torch.empty(shape[0] * shape[1] * 4, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_s = bench(lambda: dst.copy_(src), warmup=3, reps=reps)
+    copy_s = timed(lambda: dst.copy_(src))
     copy_bw = 2 * src.numel() / copy_s
     lines = [
         f"### GPU kernel bandwidth, {shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')}",
@@ -250,14 +252,14 @@ def run_gpu(cases, shape, dtype, *, reps, device="cuda", compile_: bool = True) 
     for case in cases:
         args, dy = make_inputs(case, shape, dtype, device=device, requires_grad=False)
         for name, (launch, nbytes) in _kernel_launches(case, args, dy).items():
-            t = bench(launch, warmup=3, reps=reps)
+            t = timed(launch)
             lines.append(f"| {name} | {t * 1e3:.3f} | {nbytes / t / 1e9:.0f} | {nbytes / t / copy_bw:.2f} |")
         args, dy = make_inputs(case, shape, dtype, device=device)
         impls = {"eager": case.torch, "functe": case.functe}
         if compile_:
             torch._dynamo.reset()
             impls = {"compile": torch.compile(case.torch), **impls}
-        rows.append((case.name, {k: bench(fwd_bwd(fn, args, dy), warmup=3, reps=reps) for k, fn in impls.items()}))
+        rows.append((case.name, {k: timed(fwd_bwd(fn, args, dy)) for k, fn in impls.items()}))
     title = f"GPU fwd+bwd, {shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')}"
     return "\n".join(lines) + "\n\n" + table(title, rows, baseline="compile" if compile_ else "eager")
 
@@ -283,6 +285,7 @@ def main(cases, description: str):
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compiles take seconds)")
     parser.add_argument("--func", action="store_true", help="CPU: time forward+backward through torch.func.vjp")
+    parser.add_argument("--gpu-only", action="store_true", help="with CUDA: only the GPU tables")
     opts = parser.parse_args()
     unknown = sorted(set(opts.ops or ()) - {c.name for c in cases})
     if unknown:
@@ -294,6 +297,8 @@ def main(cases, description: str):
         # (the issue's GPU table: bf16 at rows x 8192, forward + backward through autograd)
         reps = max(opts.reps, 20)
         print(run_gpu(selected, (opts.rows, 8192), torch.bfloat16, reps=reps, compile_=not opts.no_compile))
+        if opts.gpu_only:
+            return
     print(
         run_cpu(selected, (opts.rows, opts.cols), dtypes, reps=opts.reps, compile_=not opts.no_compile, func=opts.func)
     )

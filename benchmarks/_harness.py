@@ -56,6 +56,18 @@ def bench(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, min_time
     return statistics.median(samples)
 
 
+def gpu_time(fn: Callable[[], object]) -> float:
+    """Median seconds of ``fn()`` on the GPU, timed with CUDA events by ``triton.testing.do_bench``.
+
+    do_bench writes over a buffer larger than L2 before each sample, so a kernel's inputs come
+    from device memory (as at training sizes), and it repeats for ~100 ms: the numbers are
+    bandwidth, not cache, and host synchronisation stays out of them.
+    """
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
 def per_call(fn, *, calls: int = 200, rounds: int = 15) -> float:
     """CPU seconds of this thread per call: the best of ``rounds`` batches of ``calls`` calls.
 

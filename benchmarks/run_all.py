@@ -11,6 +11,7 @@ import sys
 
 SCRIPTS = [
     "bench_overhead",
+    "bench_launch",
     "bench_activations",
     "bench_norms",
     "bench_dropout",

@@ -4,7 +4,9 @@ Tests that take the ``backend`` fixture run once with the PyTorch twins and
 once with the Triton kernels through Triton's interpreter, so every kernel is
 checked on a CPU-only machine. With a GPU, ``FUNCTE_TEST_CUDA=1`` moves the
 tests that take the ``device`` fixture to CUDA (instead of the CPU; run the suite
-twice for both), and the CUDA-only tests run whenever a GPU is present.
+twice for both) and runs the ``interpret`` parametrisation as ``auto`` (the
+compiled kernels on CUDA tensors), and the CUDA-only tests run whenever a GPU is
+present.
 
 Hypothesis draws the same examples on every run (profile ``deterministic``), so
 a test run, CI's included, passes or fails the same way each time. To search
@@ -32,17 +34,22 @@ def _seed():
     torch.manual_seed(0)
 
 
+def _cuda_tests() -> bool:
+    return os.environ.get("FUNCTE_TEST_CUDA") == "1" and torch.cuda.is_available()
+
+
 @pytest.fixture(params=_BACKENDS)
 def backend(request):
-    with functe.use_backend(request.param):
+    # With FUNCTE_TEST_CUDA=1 the Triton side runs compiled ("auto": CUDA tensors launch the GPU
+    # kernels), which is what a GPU run is for; the interpreter is the CPU suite's stand-in for it.
+    name = "auto" if request.param == "interpret" and _cuda_tests() else request.param
+    with functe.use_backend(name):
         yield request.param
 
 
 @pytest.fixture
 def device():
-    if os.environ.get("FUNCTE_TEST_CUDA") == "1" and torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
+    return "cuda" if _cuda_tests() else "cpu"
 
 
 def pytest_collection_modifyitems(config, items):

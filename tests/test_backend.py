@@ -156,3 +156,39 @@ def test_bf16_casts_are_patched_when_triton_interpret_is_set_before_import():
     code = _BF16_CASTS_UNDER_TRITON_INTERPRET
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+class _CountingOp:
+    """Stands in for a kernel's custom op: counts the launches routed through it."""
+
+    def __init__(self, op):
+        self.op, self.calls = op, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.op(*args)
+
+
+class _PassThroughMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_launches_skip_the_custom_op_unless_something_traces_the_dispatcher(monkeypatch):
+    # The custom op's Python layers cost as much as a launch on a GPU host (128 vs 78 us): eager
+    # launches on plain tensors call the launcher; dispatch modes and tracers still see the op.
+    counting = _CountingOp(elementwise.ADD_BIAS.op)
+    monkeypatch.setattr(elementwise.ADD_BIAS, "op", counting)
+    x, b = torch.randn(4, 6), torch.randn(6)
+    with functe.use_backend("interpret"):
+        direct = ops.bias(x, b)
+        assert counting.calls == 0
+        xg = x.clone().requires_grad_()
+        (dx,) = torch.autograd.grad(ops.bias(xg, b), xg, torch.ones(4, 6))  # (inside the op's Function)
+        assert counting.calls == 0 and torch.equal(dx, torch.ones(4, 6))
+        with _PassThroughMode():
+            traced = ops.bias(x, b)
+        assert counting.calls == 1 and torch.equal(traced, direct)
+        ops.bias(torch.empty(4, 6, device="meta"), torch.empty(6, device="meta"))
+        assert counting.calls == 2
+    torch.testing.assert_close(direct, x + b)

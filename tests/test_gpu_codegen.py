@@ -312,6 +312,10 @@ def test_compiled_launches_make_their_tensors_device_current(monkeypatch):
     assert _triton.launch_device((torch.empty(2), on_1)) is None  # (a CPU launch: the interpreter's)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2,
+    reason="fake cuda:1 tensors need a second device where CUDA is real (FakeTensorMode initialises it)",
+)
 def test_the_gemm_launch_and_its_autotuning_run_on_their_tensors_device(monkeypatch):
     # The autotuner times configurations with events on the *current* device's stream: a GEMM on
     # cuda:1 tensors while cuda:0 was current chose its configuration from the wrong device's timings.

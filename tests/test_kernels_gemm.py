@@ -11,7 +11,7 @@ import functe
 from functe.kernels import _gemm_configs, gemm_fp8
 from functe.kernels import gemm as G
 from functe.kernels._act import ACTIVATIONS
-from functe.testing import assert_close
+from functe.testing import assert_close, tolerance
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 M, K, N = 37, 45, 61  # nothing is a multiple of the blocks
@@ -412,6 +412,14 @@ def test_vmap_and_grad_through_the_gemm_kernel():
 # ----------------------------------------------------------------------------- GPU (compiled, autotuned)
 
 
+def _assert_within_a_preactivation_ulp(y, y_twin, z_twin, slope=1.13):
+    rtol, atol = tolerance(y.dtype)
+    y, y_twin, z_twin = (t.detach().to("cpu", torch.float64) for t in (y, y_twin, z_twin))
+    z_ulp = torch.finfo(torch.bfloat16).eps * z_twin.abs()
+    excess = (y - y_twin).abs() - (rtol * y_twin.abs() + atol + slope * z_ulp)
+    assert excess.max() <= 0, f"{int((excess > 0).sum())} elements beyond one ulp of z; worst excess {excess.max():.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, E4M3])
 def test_cuda_autotuned_kernel_matches_twin(dtype):
@@ -421,7 +429,16 @@ def test_cuda_autotuned_kernel_matches_twin(dtype):
     if dtype == E4M3:
         x, w, scales = x.to(E4M3), w.to(E4M3), (torch.ones((), device="cuda"), torch.ones((), device="cuda"))
     args = (x, w, b, r, -2.5, "gelu", *scales, torch.bfloat16)
-    assert_close(G.gemm(*args), G.gemm_ref(*args))
+    y, z = G.gemm_preact(*args)
+    y_twin, z_twin = G.gemm_preact_ref(*args)
+    assert_close(z, z_twin)
+    # The activation reads the pre-activation rounded to bf16 (as the unfused linear returns it).
+    # The kernel and the twin sum K in different orders, so where the fp32 sums straddle a rounding
+    # boundary the two round z to neighbouring bf16 values: y may then differ by one ulp of z times
+    # the activation's slope (GELU's is at most 1.13), which the residual's cancellation can make
+    # large relative to y itself (seen on an H100 with FP8 operands: 0.0625 on |y| ~ 5e-4).
+    _assert_within_a_preactivation_ulp(y, y_twin, z_twin)
+    _assert_within_a_preactivation_ulp(G.gemm(*args), y_twin, z_twin)
     dx, g = G.gemm_dgrad_dact(r, r, w.to(torch.bfloat16), None, 1.0, "gelu")
     dx_t, g_t = G.gemm_dgrad_dact_ref(r, r, w.to(torch.bfloat16), None, 1.0, "gelu")
     assert_close(g, g_t)
