@@ -188,22 +188,36 @@ class Kernel:
 
 _transforms_active = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+_jit_tracing = torch._C._is_tracing
+_profiling = torch._C._autograd._profiler_enabled
 
 
 def eager_launch(args: Sequence[Any]) -> bool:
     """Whether a Triton launch may call its launcher directly rather than through its custom op.
 
-    The custom op makes a launch opaque to what traces the dispatcher: ``torch.compile``, fake and
-    meta tensors, tensor subclasses and dispatch modes (``FlopCounterMode``, functionalization).
-    With none of them, the launcher on plain tensors does exactly what the op's implementation
-    does, and the op's Python layers (dispatch, autograd redispatch, its alias check) cost as much
-    as the launch itself: measured on an H100 host, 128 vs 78 us per call, and a GELU
-    forward+backward at 8x256 680 vs 438 us.
+    The op's Python layers (dispatch, autograd redispatch, its alias check) cost as much as the
+    launch itself: measured on an H100 host, 128 vs 78 us per call, and a GELU forward+backward at
+    8x256 680 vs 438 us. The op stays wherever it does more than run the launcher:
+
+    * something records the dispatcher: ``torch.compile``, dispatch modes (``FlopCounterMode``,
+      fake tensors, functionalization), ``torch.jit.trace`` (which records the op and replays it;
+      the launcher's arithmetic on traced sizes breaks), the profiler (its ``functe::<name>``
+      ranges attribute time to kernels);
+    * a tensor the launcher would misread: a subclass, a meta tensor, a tensor with the negative
+      bit (``z.conj().imag``: the dispatcher resolves it, a kernel reading the memory would get the
+      other sign), an efficient zero tensor (no memory), a nested tensor (the op's error names it).
     """
-    if torch.compiler.is_compiling() or _dispatch_modes():  # (Dynamo cannot trace the second)
+    # (is_compiling first: Dynamo cannot trace the other checks)
+    if torch.compiler.is_compiling() or _dispatch_modes() or _jit_tracing() or _profiling():
         return False
     for a in args:
-        if isinstance(a, Tensor) and (type(a) not in PLAIN_TENSOR_TYPES or a.device.type == "meta"):
+        if isinstance(a, Tensor) and (
+            type(a) not in PLAIN_TENSOR_TYPES
+            or a.device.type == "meta"
+            or a.is_neg()
+            or a._is_zerotensor()
+            or a.is_nested
+        ):
             return False
     return True
 

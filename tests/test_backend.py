@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -192,3 +193,26 @@ def test_eager_launches_skip_the_custom_op_unless_something_traces_the_dispatche
         ops.bias(torch.empty(4, 6, device="meta"), torch.empty(6, device="meta"))
         assert counting.calls == 2
     torch.testing.assert_close(direct, x + b)
+
+
+def test_eager_launches_keep_the_op_where_a_direct_launch_would_misread_or_go_unrecorded(monkeypatch):
+    # A negative-bit view (public: z.conj().imag) reads as its values only through the dispatcher;
+    # torch.jit.trace records the op (the launcher's arithmetic on traced sizes failed); the
+    # profiler's functe::<name> ranges attribute launch time to kernels.
+    counting = _CountingOp(elementwise.ADD_BIAS.op)
+    monkeypatch.setattr(elementwise.ADD_BIAS, "op", counting)
+    z = torch.view_as_complex(torch.randn(4, 6, 2))
+    x, b = z.conj().imag, torch.randn(6)
+    assert x.is_neg()
+    with functe.use_backend("interpret"):
+        torch.testing.assert_close(ops.bias(x, b), x.resolve_neg() + b)
+        assert counting.calls == 1
+        with warnings.catch_warnings():  # (deprecated in torch 2.13, still used for ONNX export)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            traced = torch.jit.trace(lambda t: elementwise.ADD_BIAS(t, b), (x.resolve_neg(),), check_trace=False)
+        assert "functe::add_bias" in {n.kind() for n in traced.graph.nodes()}
+        fresh = torch.randn(4, 6)
+        torch.testing.assert_close(traced(fresh), fresh + b)
+        with torch.profiler.profile() as prof:
+            ops.bias(fresh, b)
+    assert "functe::add_bias" in {e.name for e in prof.events()}
