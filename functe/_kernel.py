@@ -49,7 +49,7 @@ from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad as _forward_ad
 
-from ._backend import PLAIN_TENSOR_TYPES, any_tangent, forward_ad_active, records, runs_triton, unaliased_outputs
+from ._backend import PLAIN_TENSOR_TYPES, any_tangent, forward_ad_active, records, runs_triton_on, unaliased_outputs
 from ._errors import TransformError
 
 Tensor = torch.Tensor
@@ -147,6 +147,7 @@ class Kernel:
         self.fast_path = fast_path
         self.quantizes = quantizes
         self.op = torch.library.custom_op(f"functe::{name}", launcher, mutates_args=())
+        self.direct = _with_float_scalars(launcher)
         # The twin is plain torch, so on fake tensors it computes exactly the
         # output shapes and dtypes: it serves as the op's fake implementation.
         self.op.register_fake(twin)
@@ -157,9 +158,9 @@ class Kernel:
         for first in args:
             if isinstance(first, Tensor):
                 break
-        if runs_triton(first.device):
-            run, function = (self.launcher if eager_launch(args) else self.op), self.function
-        elif type(first) not in PLAIN_TENSOR_TYPES or first.device.type != "cpu":
+        if runs_triton_on(first):
+            run, function = (self.direct if eager_launch(args) else self.op), self.function
+        elif type(first) not in PLAIN_TENSOR_TYPES or not first.is_cpu:  # (is_cpu: see runs_triton_on)
             return self.twin(*args)
         elif not torch.is_grad_enabled() and not _transforms_active() and not forward_ad_active():
             return self.twin(*args)  # nothing can record (the common path: backward rules, inference)
@@ -190,6 +191,29 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _jit_tracing = torch._C._is_tracing
 _profiling = torch._C._autograd._profiler_enabled
+
+
+_FLOAT_ANNOTATIONS = (float, "float", "float | None", "Optional[float]")
+
+
+def _with_float_scalars(launcher: Callable) -> Callable:
+    """``launcher`` converting an int or a 0-d tensor given for a ``float`` parameter to a float, as
+    its custom op's schema does: called directly, Triton would specialise the kernel on an int (a
+    different compiled variant) or take a tensor for a pointer."""
+    positions = tuple(
+        i for i, p in enumerate(inspect.signature(launcher).parameters.values()) if p.annotation in _FLOAT_ANNOTATIONS
+    )
+    if not positions:
+        return launcher
+
+    def launch(*args):
+        args = list(args)
+        for i in positions:
+            if i < len(args) and isinstance(args[i], (int, Tensor)) and not isinstance(args[i], bool):
+                args[i] = float(args[i])
+        return launcher(*args)
+
+    return launch
 
 
 def eager_launch(args: Sequence[Any]) -> bool:
@@ -237,7 +261,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     """The Function around ``run`` (the launcher's custom op, or the twin) described in the module docstring."""
     twin = kernel.twin
 
-    direct = kernel.launcher if run is kernel.op else None
+    direct = kernel.direct if run is kernel.op else None
 
     def forward(*args):
         out = direct(*args) if direct is not None and eager_launch(args) else run(*args)

@@ -57,7 +57,7 @@ import torch
 from torch.autograd import forward_ad
 
 from ._autocast import without_autocast
-from ._backend import any_tangent, unaliased_outputs
+from ._backend import PLAIN_TENSOR_TYPES, any_tangent, forward_ad_active, unaliased_outputs
 from ._errors import ArgumentError, RuleError, TransformError, called_as, describe, describe_shape
 from ._kernel import (
     _with,
@@ -76,6 +76,8 @@ Tensor = torch.Tensor
 
 _IN, _OUT, _NEW, _CONST = 0, 1, 2, 3
 _LEAF = tree_flatten(0)[1]  # the spec of a single leaf
+# _FLAT[n]: the spec of a plain tuple of n leaves (the common call: tensors and Nones as arguments)
+_FLAT = tuple(tree_flatten((0,) * n)[1] for n in range(17))
 _VARARGS = inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
 
 # While ``functe.trace`` runs a function, the recorder that turns an op call on
@@ -114,6 +116,32 @@ class _Layout:
         self.guarded = guarded
 
 
+def _flatten(tree, compiling: bool) -> tuple[list, PyTreeSpec]:
+    """``tree_flatten(tree)``, without the pytree walk for the common eager cases: a plain tensor, or
+    a tuple of plain tensors and Nones (~5 us a call). Not while compiling: Dynamo models optree with
+    its own spec objects and cannot use one made outside."""
+    if not compiling:
+        kind = type(tree)
+        if kind in PLAIN_TENSOR_TYPES:
+            return [tree], _LEAF
+        if kind is tuple and len(tree) < len(_FLAT):
+            for leaf in tree:
+                if leaf is not None and type(leaf) not in PLAIN_TENSOR_TYPES:
+                    return tree_flatten(tree)
+            return list(tree), _FLAT[len(tree)]
+    return tree_flatten(tree)
+
+
+def _unflatten(spec: PyTreeSpec, leaves, compiling: bool):
+    """``tree_unflatten(spec, leaves)``, without optree for the specs :func:`_flatten` makes."""
+    if not compiling:
+        if spec is _LEAF:
+            return leaves[0]
+        if len(leaves) < len(_FLAT) and spec is _FLAT[len(leaves)]:
+            return tuple(leaves)
+    return tree_unflatten(spec, leaves)
+
+
 def _index_of(value: Tensor, candidates) -> int:
     for i, c in enumerate(candidates):
         if c is value:
@@ -128,7 +156,7 @@ def _split_result(name: str, result) -> tuple[Any, Any]:
     return result
 
 
-def _output_leaves(name: str, out, leaves) -> tuple[list, PyTreeSpec]:
+def _output_leaves(name: str, out, leaves, compiling: bool | None = None) -> tuple[list, PyTreeSpec]:
     """``out``'s leaves (checked: tensors or None) and structure, inputs among them as views.
 
     An output that is an input object would make autograd treat the op as an
@@ -136,10 +164,12 @@ def _output_leaves(name: str, out, leaves) -> tuple[list, PyTreeSpec]:
     """
     # The common case without a pytree walk (not while compiling: Dynamo models
     # optree with its own spec objects and cannot use a spec made outside).
-    if isinstance(out, Tensor) and not torch.compiler.is_compiling():
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    if isinstance(out, Tensor) and not compiling:
         out_leaves, out_tree = [out], _LEAF
     else:
-        out_leaves, out_tree = tree_flatten(out)
+        out_leaves, out_tree = _flatten(out, compiling)
         for leaf in out_leaves:
             if leaf is not None and not isinstance(leaf, Tensor):
                 raise RuleError(f"functe.{name}: forward outputs must be tensors or None, got {describe(leaf)}")
@@ -154,10 +184,11 @@ def _run_forward(
 
     ``constants``: the op's ``constant_residuals`` (new residuals that need no guard; compared with
     ``is``, not ``id``, which Dynamo would guard on)."""
-    args = tree_unflatten(call.in_tree, leaves)
+    compiling = torch.compiler.is_compiling()
+    args = _unflatten(call.in_tree, leaves, compiling)
     out, res = _split_result(name, fwd(*args, **call.static))
-    out_leaves, out_tree = _output_leaves(name, out, leaves)
-    res_leaves, res_tree = tree_flatten(res)
+    out_leaves, out_tree = _output_leaves(name, out, leaves, compiling)
+    res_leaves, res_tree = _flatten(res, compiling)
     plan, new = [], []
     guarded = False
     for r in res_leaves:
@@ -297,6 +328,9 @@ class CustomVJP:
         self._home = getattr(fwd, "__module__", None)
         # (rules that close over values: each recorded call checks them, see _refuse_captured_derivatives)
         self._closures = tuple(f for f in (fwd, bwd) if isinstance(f, types.FunctionType) and f.__closure__)
+        # (the rules themselves: called directly while autocast is off, which is what the wrapper
+        # does then, without its frame and its re-packed keywords)
+        raw = (fwd, bwd)
         if not keep_autocast:
             fwd, bwd = without_autocast(fwd), without_autocast(bwd)
         self.name = name
@@ -312,8 +346,18 @@ class CustomVJP:
         self.needs_input_grad = needs_input_grad
         self.prune_residuals = prune_residuals
         self.constant_residuals = constants = tuple(constant_residuals)
+        self._raw_fwd = raw[0]
         self.function = _make_function(
-            name, fwd, bwd, symbolic_zeros, batching, needs_input_grad, prune_residuals, constants, forward_mode=True
+            name,
+            fwd,
+            bwd,
+            symbolic_zeros,
+            batching,
+            needs_input_grad,
+            prune_residuals,
+            constants,
+            forward_mode=True,
+            raw=raw,
         )
         # Dynamo refuses Functions that define ``jvp``; compiled code gets a
         # twin class without it (forward-mode AD is not traced by compile). Nor does it get the
@@ -334,16 +378,18 @@ class CustomVJP:
             traced = _recorder(self, args, static)
             if traced is not NotImplemented:
                 return traced
-        leaves, in_tree = tree_flatten(args)
+        compiling = torch.compiler.is_compiling()
+        leaves, in_tree = _flatten(args, compiling)
         if self.precheck is not None:
             self.precheck(leaves)
-        mode = _call_mode(leaves)
+        mode = _COMPILED if compiling else _call_mode(leaves)
         if mode is _FORWARD_ONLY:
             # Nothing will ask for a backward: the forward rule alone, its residuals dropped (the
             # Function would add ~12 us of Python per op for the same values).
-            out, _ = _split_result(self.name, self.fwd(*args, **static))
-            out_leaves, out_tree = _output_leaves(self.name, out, leaves)
-            return out_leaves[0] if out_tree is _LEAF else tree_unflatten(out_tree, out_leaves)
+            fwd = self.fwd if torch._C._is_any_autocast_enabled() else self._raw_fwd
+            out, _ = _split_result(self.name, fwd(*args, **static))
+            out_leaves, out_tree = _output_leaves(self.name, out, leaves, False)
+            return _unflatten(out_tree, out_leaves, False)
         if self._closures:
             _refuse_captured_derivatives(self.name, self._closures)
         call = _Call(in_tree, static)
@@ -354,12 +400,14 @@ class CustomVJP:
                 # call would run this branch again and again)
                 return run_outside_graph(self, args, static)
             results = self.compiled_function.apply(call, *_distinct_tensors(leaves))
-        elif mode is _EAGER:
+            layout = results[-1]
+            return tree_unflatten(layout.out_tree, results[: layout.n_out])
+        if mode is _EAGER:
             results = self._eager_apply(call, *leaves)
         else:
             results = self.function.apply(call, *leaves)
         layout = results[-1]
-        return tree_unflatten(layout.out_tree, results[: layout.n_out])
+        return _unflatten(layout.out_tree, results[: layout.n_out], False)
 
     def __reduce__(self):
         # An op pickles by reference, as a function does: its rules are wrapped (without_autocast)
@@ -573,9 +621,7 @@ def _call_mode(leaves) -> str:
     arguments; ``_EAGER`` (the C ``apply``) when autograd records, through grad mode and an input
     requiring grad or through an input with a forward-mode tangent; else ``_FORWARD_ONLY``.
     """
-    if torch.compiler.is_compiling():
-        return _COMPILED
-    if torch._C._are_functorch_transforms_active():
+    if torch._C._are_functorch_transforms_active():  # (the caller checked is_compiling)
         return _FUNCTION
     grad = torch.is_grad_enabled()
     records = False
@@ -678,6 +724,19 @@ def _flatten_cotangents(
     """The backward rule's cotangents ``cts`` (one per positional argument) as flat leaves, checked
     against the inputs' structure and ``in_meta``; an error names an input by ``labels()`` (default:
     :func:`input_labels`) and ends with ``where``."""
+    compiling = torch.compiler.is_compiling()
+    labels = labels or (lambda: input_labels(fwd, call.in_tree))
+    if (
+        not compiling
+        and isinstance(cts, tuple)
+        and len(cts) < len(_FLAT)
+        and call.in_tree is _FLAT[len(cts)]
+        and all(ct is None or isinstance(ct, Tensor) for ct in cts)
+    ):
+        # (every argument one leaf, every cotangent a tensor or None: the structures match)
+        flat = list(cts)
+        check_gradients(name, flat, in_meta, where, labels, compiling)
+        return flat
     arg_trees = call.in_tree.children()
     if not isinstance(cts, tuple) or len(cts) != len(arg_trees):
         raise cotangent_count_error(name, cts, len(arg_trees), where)
@@ -693,7 +752,7 @@ def _flatten_cotangents(
                 f"expected the argument's structure {tree}{where}"
             )
         flat.extend(ct_leaves)
-    check_gradients(name, flat, in_meta, where, labels or (lambda: input_labels(fwd, call.in_tree)))
+    check_gradients(name, flat, in_meta, where, labels, compiling)
     return flat
 
 
@@ -731,14 +790,17 @@ def cotangent_count_error(name: str, cts: Any, count: int, where: str = "") -> R
     )
 
 
-def check_gradients(name: str, grads, in_meta: list, hint: str = "", labels: Callable | None = None) -> None:
+def check_gradients(
+    name: str, grads, in_meta: list, hint: str = "", labels: Callable | None = None, compiling: bool | None = None
+) -> None:
     """Every non-None gradient has its input's ``(shape, dtype)`` (``in_meta``; ``None`` for a
     non-tensor input, which takes no gradient), else a :class:`functe.RuleError` naming the input by
     ``labels()`` (one label per input; by its position without) (autograd would
     silently sum a ``[1,N]`` gradient to ``[N]``, or cast it). While compiling, symbolic sizes are
     not compared (Dynamo could not compare one saved by the forward: a strict torch.export with a
     dynamic batch failed on it); the rank and the dtype still are."""
-    compiling = torch.compiler.is_compiling()
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
     for index, (ct, meta) in enumerate(zip(grads, in_meta)):
         if ct is None:
             continue
@@ -930,6 +992,7 @@ def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
 
 
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+_interpreters = torch._C._functorch.peek_interpreter_stack  # (None outside every torch.func transform)
 
 
 def _outside_dynamo(method: Callable) -> Callable:
@@ -972,7 +1035,13 @@ def _make_function(
     constants: tuple[Tensor, ...] = (),
     *,
     forward_mode: bool,
+    raw: tuple[Callable, Callable] | None = None,
 ) -> type[torch.autograd.Function]:
+    # (the rules unwrapped, the eager Function's: run directly while autocast is off, as the wrapper
+    # would run them, without its frame and re-packed keywords)
+    raw_fwd, raw_bwd = raw or (None, None)
+    autocasting = torch._C._is_any_autocast_enabled
+
     # The staticmethods close over plain functions and values only: Dynamo
     # cannot rebuild arbitrary objects (such as the CustomVJP) inside the
     # autograd.Function it traces.
@@ -983,7 +1052,8 @@ def _make_function(
         if not isinstance(args[0], _Call):
             args = args[1:]
         call, leaves = args[0], args[1:]
-        out_leaves, new, layout = _run_forward(name, fwd, call, leaves, constants)
+        rule = fwd if raw_fwd is None or autocasting() else raw_fwd
+        out_leaves, new, layout = _run_forward(name, rule, call, leaves, constants)
         return (*out_leaves, *new, layout)
 
     def setup_context(ctx, inputs, output):
@@ -1000,7 +1070,9 @@ def _make_function(
                 layout = _pruned(name, prune, layout, sources, call, argument_needs(flags, call.in_tree))
         # (the higher-order anchor, last of ``new``, is saved after the residuals and stays differentiable)
         ctx.save_for_backward(*(sources[kind][i] for kind, i in layout.plan if kind != _CONST), *new[-1:])
-        if forward_mode:
+        if forward_mode and (forward_ad_active() or torch._C._are_functorch_transforms_active()):
+            # (only ``jvp`` reads them, and it runs only where an input has a tangent: under a dual
+            # level or a torch.func transform)
             ctx.save_for_forward(*(t for t in leaves if isinstance(t, Tensor)))
         if new:
             ctx.mark_non_differentiable(*new[:-1])
@@ -1022,15 +1094,16 @@ def _make_function(
 
     def backward(ctx, *grads):
         call, layout = ctx.call, ctx.layout
+        compiling = torch.compiler.is_compiling()
         saved = iter(ctx.saved_tensors)
         res_leaves = [value if kind == _CONST else next(saved) for kind, value in layout.plan]
-        residuals = tree_unflatten(layout.res_tree, res_leaves)
+        residuals = _unflatten(layout.res_tree, res_leaves, compiling)
         out_cts = list(grads[: layout.n_out])
         if not symbolic_zeros:
             for i, (g, meta) in enumerate(zip(out_cts, ctx.out_meta)):
                 if g is None and meta is not None:
                     out_cts[i] = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
-        if empty_batched((*grads, *res_leaves)):
+        if not compiling and _interpreters() is not None and empty_batched((*grads, *res_leaves)):
             # vmap(grad(f)) over 0 members: no member has a value, only shapes (the rule's own torch
             # ops may fail on empty batches, see vmap_call)
             device = next(g.device for g in grads if g is not None)
@@ -1042,7 +1115,8 @@ def _make_function(
             # (ctx.needs_input_grad's first entry is the call)
             needs = ctx.needs_input_grad[1:]
             extra = {"needs_input_grad": argument_needs(needs, call.in_tree)} if needs_input_grad else {}
-            cts = bwd(residuals, tree_unflatten(layout.out_tree, out_cts), **extra, **call.static)
+            rule = bwd if raw_bwd is None or autocasting() else raw_bwd
+            cts = rule(residuals, _unflatten(layout.out_tree, out_cts, compiling), **extra, **call.static)
             flat = _flatten_cotangents(name, call, cts, ctx.in_meta, fwd)
         if layout.guarded and torch.is_grad_enabled():
             flat = _guard(second_order_subject(fwd, name), flat, next(saved))

@@ -216,3 +216,15 @@ def test_eager_launches_keep_the_op_where_a_direct_launch_would_misread_or_go_un
         with torch.profiler.profile() as prof:
             ops.bias(fresh, b)
     assert "functe::add_bias" in {e.name for e in prof.events()}
+
+
+def test_a_direct_launch_converts_scalars_for_float_parameters_as_the_custom_op_schema_does():
+    # Called directly, an int or a 0-d tensor for a float parameter reached Triton as is: a tensor
+    # became a pointer (an error, where the op's schema converted it), an int another specialisation.
+    seen = []
+    kernel = elementwise.AXPBY
+    x = torch.ones(2, 4)
+    with functe.use_backend("interpret"):
+        for alpha in (torch.tensor(2.0), 2, 2.0):
+            seen.append(kernel(x, None, alpha, 0.0).tolist())
+    assert seen == [[[2.0] * 4] * 2] * 3
