@@ -147,11 +147,11 @@ class Kernel:
         self.fast_path = fast_path
         self.quantizes = quantizes
         self.op = torch.library.custom_op(f"functe::{name}", launcher, mutates_args=())
-        self.direct = _with_float_scalars(launcher)
+        self.launch = _launching(self, _with_float_scalars(launcher))
         # The twin is plain torch, so on fake tensors it computes exactly the
         # output shapes and dtypes: it serves as the op's fake implementation.
         self.op.register_fake(twin)
-        self.function = _make_function(self, self.op)
+        self.function = _make_function(self, self.launch)
         self.twin_function = _make_function(self, twin)
 
     def __call__(self, *args):
@@ -159,7 +159,7 @@ class Kernel:
             if isinstance(first, Tensor):
                 break
         if runs_triton_on(first):
-            run, function = (self.direct if eager_launch(args) else self.op), self.function
+            run, function = self.launch, self.function
         elif type(first) not in PLAIN_TENSOR_TYPES or not first.is_cpu:  # (is_cpu: see runs_triton_on)
             return self.twin(*args)
         elif not torch.is_grad_enabled() and not _transforms_active() and not forward_ad_active():
@@ -216,6 +216,17 @@ def _with_float_scalars(launcher: Callable) -> Callable:
     return launch
 
 
+def _launching(kernel: Kernel, direct: Callable) -> Callable:
+    """A Triton launch of ``kernel``: ``direct`` (its launcher) where :func:`eager_launch` allows,
+    else its custom op. One decision per launch, wherever the launch happens (a kernel call nothing
+    records, or the forward of the kernel's Function)."""
+
+    def launch(*args):
+        return direct(*args) if eager_launch(args) else kernel.op(*args)
+
+    return launch
+
+
 def eager_launch(args: Sequence[Any]) -> bool:
     """Whether a Triton launch may call its launcher directly rather than through its custom op.
 
@@ -236,11 +247,7 @@ def eager_launch(args: Sequence[Any]) -> bool:
         return False
     for a in args:
         if isinstance(a, Tensor) and (
-            type(a) not in PLAIN_TENSOR_TYPES
-            or a.device.type == "meta"
-            or a.is_neg()
-            or a._is_zerotensor()
-            or a.is_nested
+            type(a) not in PLAIN_TENSOR_TYPES or a.is_meta or a.is_neg() or a._is_zerotensor() or a.is_nested
         ):
             return False
     return True
@@ -261,10 +268,8 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
     """The Function around ``run`` (the launcher's custom op, or the twin) described in the module docstring."""
     twin = kernel.twin
 
-    direct = kernel.direct if run is kernel.op else None
-
     def forward(*args):
-        out = direct(*args) if direct is not None and eager_launch(args) else run(*args)
+        out = run(*args)
         # A Function must not hand back one of its inputs (a twin may return one unchanged): a view
         # keeps the result functional. A view of the kernel's own buffer is not left a view.
         if isinstance(out, tuple):
@@ -363,7 +368,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
         "jvp": staticmethod(jvp),
         "vmap": staticmethod(vmap),
     }
-    suffix = "kernel" if run is kernel.op else "twin"
+    suffix = "kernel" if run is kernel.launch else "twin"
     return type(f"{kernel.name}_{suffix}", (torch.autograd.Function,), methods)
 
 
