@@ -60,12 +60,28 @@ def gpu_time(fn: Callable[[], object]) -> float:
     """Median seconds of ``fn()`` on the GPU, timed with CUDA events by ``triton.testing.do_bench``.
 
     do_bench writes over a buffer larger than L2 before each sample, so a kernel's inputs come
-    from device memory (as at training sizes), and it repeats for ~100 ms: the numbers are
-    bandwidth, not cache, and host synchronisation stays out of them.
+    from device memory (as at training sizes), and it repeats for ~100 ms. Host time is part of
+    it where ``fn`` takes longer to issue than its kernels take to run (the events time the
+    stream): right for forward + backward as a user sees it, wrong for a kernel's bandwidth
+    (see :func:`gpu_kernel_time`).
     """
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def gpu_kernel_time(fn: Callable[[], object]) -> float:
+    """Median seconds of the GPU work ``fn()`` issues, replayed from a CUDA graph (no host time).
+
+    Why not :func:`gpu_time`: a launcher that issues a kernel and a few small reductions (the
+    norms' backward) took 0.47-0.87 of a copy's bandwidth in do_bench from one round to the next
+    on an H100 host, while the profiler timed its kernel at 0.145-0.149 ms every call: the host
+    issuing the launches was being timed. A replayed graph does not flush L2 between samples;
+    the tables' tensors (8192 x 8192 bf16 and up, 128 MiB each) are several times its size.
+    """
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e3
 
 
 def per_call(fn, *, calls: int = 200, rounds: int = 15) -> float:
