@@ -75,9 +75,9 @@ def gpu_kernel_time(fn: Callable[[], object]) -> float:
 
     Why not :func:`gpu_time`: a launcher that issues a kernel and a few small reductions (the
     norms' backward) took 0.47-0.87 of a copy's bandwidth in do_bench from one round to the next
-    on an H100 host, while the profiler timed its kernel at 0.145-0.149 ms every call: the host
+    on an H100 host, while the profiler timed its kernel at 0.144-0.149 ms every call: the host
     issuing the launches was being timed. A replayed graph does not flush L2 between samples;
-    the tables' tensors (8192 x 8192 bf16 and up, 128 MiB each) are several times its size.
+    the tables' tensors (8192 x 8192 bf16 in, 64-128 MiB each) are several times its size.
     """
     import triton.testing
 

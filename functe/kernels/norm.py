@@ -278,8 +278,9 @@ def _bwd_partials(block_n: int) -> int:
     """How many programs split a backward's rows (each writes one fp32 row of dγ/dβ partial sums).
 
     A fixed number per row width, so the sums' order, and the result, does not depend on the device.
-    Measured on an H100 (docs/benchmarks.md): 128 programs were 5% faster than 256 at 4096 and 8192
-    columns (half the partial sums to write and reduce); at 1024, where a program is 4 warps, 256.
+    Measured on an H100 (docs/benchmarks.md): 128 programs were faster than 256 at 4096 and 8192
+    columns (LayerNorm by 5%, RMSNorm by 2-3%: half the partial sums to write and reduce); at 1024,
+    where a program is 4 warps, 256.
     """
     return 256 if block_n <= 1024 else 128
 
@@ -321,7 +322,8 @@ def _bwd_tiling(x: Tensor, kind: str, members: int = 1) -> tuple[int, int, int, 
     flight) up to 8192 columns. Measured on an H100 by CUDA-graph replay (docs/benchmarks.md, bf16,
     2^26 elements), against the tiling before (the forward's, no pipelining, 256 programs): at 8192
     columns LayerNorm 0.54 -> 0.82 of a copy's bandwidth and RMSNorm 0.68 -> 0.87; at 4096, 0.60 ->
-    0.82 and 0.72 -> 0.87. Wider rows did better without pipelining (measured at 16384 only).
+    0.82 and 0.72 -> 0.87. Wider rows did better without pipelining (measured at 16384 only, by
+    do_bench).
     """
     _, block_n, _ = _tiling(x, kind, members)
     n_rows = x.numel() // max(x.shape[-1], 1) // max(members, 1)
