@@ -7,18 +7,26 @@ eager, then for GELU the Triton launcher alone, the same through its ``torch.lib
 best of 7 rounds of 300 calls, synchronised once per round. The launcher rows need CUDA; on the
 CPU only the eager and ``ops`` rows run (the ops then run their PyTorch twins).
 
+Then GELU forward + backward layer by layer (docs/benchmarks.md, "Where a GELU step's host time
+goes"): a Python ``autograd.Function`` around torch's own GELU, the same Function launching the two
+Triton kernels directly, then through functe's launchers, then through its ``Kernel`` objects, and
+``ops.gelu`` itself: each row adds one layer, so the differences are each layer's cost. The Triton
+rows need CUDA.
+
 Run: ``python -m benchmarks.bench_launch``. Results: docs/benchmarks.md ("GPU: NVIDIA H100").
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from functe import ops
 from functe.kernels import activation as act_kernels
+from functe.kernels._triton import tiled_grid
 
 from ._harness import machine
 
@@ -41,6 +49,62 @@ def host_us_per_call(fn, *, calls: int = 300, rounds: int = 7) -> float:
     return best * 1e6
 
 
+def _function(forward, backward) -> type[torch.autograd.Function]:
+    """A one-input ``autograd.Function`` saving its input: ``forward(a)``, ``backward(g, a)``."""
+
+    def fwd(ctx, a):
+        ctx.save_for_backward(a)
+        return forward(a)
+
+    def bwd(ctx, g):
+        return backward(g, *ctx.saved_tensors)
+
+    return type("Layer", (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+
+
+def gelu_layers(xg: torch.Tensor, dy: torch.Tensor, *, triton: bool) -> dict[str, Callable[[], object]]:
+    """GELU forward + backward closures, each adding one layer of functe to the one before."""
+    act = (0, 0.0, 0.0, 0.0)  # (interleave, limit, alpha, offset: unused by GELU)
+    layers = {
+        "Function(torch's gelu)": _function(
+            lambda a: F.gelu(a, approximate="tanh"), lambda g, a: torch.ops.aten.gelu_backward(g, a, approximate="tanh")
+        )
+    }
+    if triton:
+        n_rows, n_cols = xg.shape
+        flags = dict(
+            ACT=act_kernels.spec("gelu")[0], GATED_=False, CLAMPED_=False, INTERLEAVED=False, HAS_S=False,
+            BLOCK_R=n_rows, BLOCK_C=n_cols, COMPUTE=act_kernels.tl_compute_dtype(xg.dtype),
+        )  # fmt: skip
+        scalars = (n_rows, n_cols, n_cols, n_cols, 0.0, 0.0, 0.0, 1)
+        grid = tiled_grid(1, 1)
+
+        def raw_forward(a):
+            y = torch.empty_like(a)
+            act_kernels._act_kernel[grid](a, a, y, *scalars, **flags)
+            return y
+
+        def raw_backward(g, a):
+            dx = torch.empty_like(a)
+            act_kernels._dact_kernel[grid](g, a, a, dx, dx, *scalars, **flags)
+            return dx
+
+        layers |= {
+            "Function(Triton kernel[grid])": _function(raw_forward, raw_backward),
+            "Function(functe launchers)": _function(
+                lambda a: act_kernels.activation(a, "gelu", *act),
+                lambda g, a: act_kernels.dactivation(g, a, "gelu", *act),
+            ),
+            "Function(functe Kernels)": _function(
+                lambda a: act_kernels.ACTIVATION(a, "gelu", *act),
+                lambda g, a: act_kernels.DACTIVATION(g, a, "gelu", *act),
+            ),
+        }
+    steps = {name: (lambda f=f: torch.autograd.grad(f.apply(xg), xg, dy)) for name, f in layers.items()}
+    steps["ops.gelu (custom_vjp)"] = lambda: torch.autograd.grad(ops.gelu(xg), xg, dy)
+    return steps
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -55,10 +119,11 @@ def main() -> None:
     }
     if cuda:
         rows |= {
-            "Triton launcher alone": lambda: act_kernels.activation(*act_args),
+            "functe launcher alone (kernels.activation.activation)": lambda: act_kernels.activation(*act_args),
             "launcher through its custom op": lambda: act_kernels.ACTIVATION.op(*act_args),
             "Kernel dispatch (ACTIVATION)": lambda: act_kernels.ACTIVATION(*act_args),
         }
+    rows |= {f"GELU fwd+bwd: {name}": fn for name, fn in gelu_layers(xg, dy, triton=cuda).items()}
     rows |= {
         "ops.gelu fwd, no grad": lambda: ops.gelu(x),
         "ops.gelu fwd, grad": lambda: ops.gelu(xg),

@@ -309,6 +309,21 @@ def test_gpu_benchmark_code_path_runs_through_the_interpreter():
     assert "fraction of copy" in text
 
 
+def test_host_time_benchmark_layers_compute_the_same_gradient():
+    """benchmarks/bench_launch.py times GELU forward + backward layer by layer, its Triton layers on
+    CUDA only: through the interpreter, every layer must give ops.gelu's gradient (a layer computing
+    something else would time the wrong work)."""
+    from benchmarks.bench_launch import gelu_layers
+
+    x, dy = make((8, 256)).requires_grad_(), make((8, 256))
+    with functe.use_backend("interpret"):
+        grads = {name: step()[0] for name, step in gelu_layers(x, dy, triton=True).items()}
+    assert len(grads) == 5
+    expected = grads.pop("ops.gelu (custom_vjp)")
+    for name, grad in grads.items():
+        assert_close(grad, expected, msg=name)
+
+
 def test_interleaved_views_match_the_reference_layout():
     x = torch.arange(16.0).view(1, 16)
     a, b = ak._halves(x, 2)
