@@ -115,6 +115,32 @@ def compile_for_sm90(spec):
     )
 
 
+SMALLEST_SHARED_MEMORY = 101376  # bytes of shared memory one block may use on sm_86/89 (99 KiB)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("columns", [1024, 8192])
+@pytest.mark.parametrize("variant", ["layer_norm_bwd", "rms_norm_bwd_add"])
+def test_the_pipelined_norm_backward_fits_every_gpus_shared_memory(variant, columns, dtype):
+    # The backward's loop pipelines its loads through shared memory once a program loops over more
+    # than one row tile (the workload's small norms never do): fp32 and fp64 tiles needed 128-384
+    # KiB, more than an sm_80/86/89 block may have, and Triton refuses such a launch.
+    rows = 2 * min(4, 8192 // columns) * norm._bwd_partials(columns)  # (two row tiles a program)
+    x = torch.randn(rows, columns, dtype=torch.float64).to(dtype)
+    dy, w = torch.randn_like(x), torch.randn(columns, dtype=torch.float64).to(dtype)
+    stats = x.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    mean, rstd = stats.mean(-1), stats.var(-1, correction=0).add(1e-5).rsqrt()
+    with functe.use_backend("interpret"), _triton.record_launches() as log:
+        if variant == "layer_norm_bwd":
+            norm.layer_norm_bwd(dy, x, mean, rstd, w, False)
+        else:
+            norm.rms_norm_bwd_add(dy, x, w, dy, 1e-5, False)
+    ((kernel, args, kwargs, _),) = [entry for entry in log if entry[0] is norm._norm_bwd_kernel]
+    assert args[13] > 1  # tiles_per_program: the loop runs more than once, so it is pipelined
+    compiled = compile_for_sm90(specialisation(kernel, args, kwargs))
+    assert compiled.metadata.shared <= SMALLEST_SHARED_MEMORY, (kwargs["STAGES"], compiled.metadata.shared)
+
+
 # ----------------------------------------------------------------------------- the workload
 
 

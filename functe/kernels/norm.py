@@ -297,7 +297,7 @@ def check_norm_bias(kind: str, bias: Tensor | None) -> None:
 
 def _tiling(x: Tensor, kind: str, members: int = 1) -> tuple[int, int, int]:
     """``(block_r, block_n, warps)`` for ``x``'s rows (the norm kernels and their fused casts); with
-    ``members``, for one member's rows (a vmapped backward: each member tiled as its own call)."""
+    ``members``, for one member's rows (a vmapped call: each member tiled as its own call)."""
     n_cols = x.shape[-1]
     n_rows = x.numel() // max(n_cols, 1) // max(members, 1)
     if n_cols > MAX_COLS:
@@ -315,22 +315,37 @@ def _tiling(x: Tensor, kind: str, members: int = 1) -> tuple[int, int, int]:
     return block_r, block_n, warps
 
 
-def _bwd_tiling(x: Tensor, kind: str, members: int = 1) -> tuple[int, int, int, int, int]:
-    """``(block_r, block_n, warps, stages, programs)`` of the backward kernel (see :func:`_tiling`).
+def _bwd_tiling(x: Tensor, kind: str, members: int = 1, *, accum: bool = False) -> tuple[int, int, int, int, int]:
+    """``(block_r, block_n, warps, stages, partials)`` of the backward kernel (see :func:`_tiling`):
+    ``partials`` caps the programs that split the rows (each writes a row of dγ/dβ partial sums).
 
     The backward loops over its row tiles, so its loads are software-pipelined (``stages`` tiles in
-    flight) up to 8192 columns. Measured on an H100 by CUDA-graph replay (docs/benchmarks.md, bf16,
-    2^26 elements), against the tiling before (the forward's, no pipelining, 256 programs): at 8192
-    columns LayerNorm 0.54 -> 0.82 of a copy's bandwidth and RMSNorm 0.68 -> 0.87; at 4096, 0.60 ->
-    0.82 and 0.72 -> 0.87. Wider rows did better without pipelining (measured at 16384 only, by
-    do_bench).
+    flight) up to 8192 columns where they fit :data:`_PIPELINE_BYTES`. Measured on an H100 by
+    CUDA-graph replay (docs/benchmarks.md, bf16, 2^26 elements), against the tiling before (the
+    forward's, no pipelining, 256 programs): at 8192 columns LayerNorm 0.54 -> 0.82 of a copy's
+    bandwidth and RMSNorm 0.68 -> 0.87; at 4096, 0.60 -> 0.82 and 0.72 -> 0.87. Wider rows did better
+    without pipelining (measured at 16384 only, by do_bench). ``accum``: the ``*_bwd_add`` variants,
+    which also load the residual's gradient.
     """
     _, block_n, _ = _tiling(x, kind, members)
     n_rows = x.numel() // max(x.shape[-1], 1) // max(members, 1)
     block_r = min(next_power_of_2(n_rows), 4, max(1, _BWD_TILE_ELEMENTS // block_n))
     warps = 4 if block_n <= 1024 else 8 if block_n <= 8192 else 16
-    stages = 3 if block_n <= 8192 else 1
+    tile_bytes = block_r * block_n * x.element_size() * (3 if accum else 2)
+    stages = next((s for s in (3, 2) if s * tile_bytes <= _PIPELINE_BYTES), 1) if block_n <= 8192 else 1
     return block_r, block_n, warps, stages, _bwd_partials(block_n)
+
+
+_PIPELINE_BYTES = 96 * 1024
+"""Shared memory the backward's pipelined loads may take (stages x one tile of each tensor it loads).
+
+Triton stages pipelined loads in shared memory and refuses a launch whose kernel needs more than the
+device has per block: 96 KiB fits every GPU functe targets (sm_86/89 allow 99 KiB a block, sm_80
+163, sm_90 227). Three stages of a bf16 tile of 8192 elements take exactly 96 KiB; an fp32 or fp64
+tile, unpipelined before the tuning and not measured since, stays unpipelined (fp32 pipelined
+needed 192 KiB, more than an A100 has, and fp64 more than an H100: a review's compile of the
+launches with Triton 3.9's ptxas).
+"""
 
 
 def mean_count(kind: str, n_cols: int) -> int:
@@ -475,7 +490,7 @@ def _bwd(
         db = torch.zeros(reduced, dtype=x.dtype, device=x.device) if has_b else None
         return dx.view(x.shape), dw, db
     rows_per_member = n_rows // m
-    block_r, block_n, warps, stages, partials = _bwd_tiling(x, kind, m)
+    block_r, block_n, warps, stages, partials = _bwd_tiling(x, kind, m, accum=accum is not None)
     n_tiles = triton.cdiv(rows_per_member, block_r)
     tiles_per_program = triton.cdiv(n_tiles, partials)
     programs = triton.cdiv(n_tiles, tiles_per_program)
