@@ -273,6 +273,17 @@ _TILE_ELEMENTS = 4096
 _BWD_TILE_ELEMENTS = 8192
 """Elements per backward tile, up to 4 rows: each tile's loads overlap the previous one's math."""
 
+_PIPELINE_BYTES = 96 * 1024
+"""Shared memory the backward's pipelined loads may take (stages x one tile of each tensor it loads).
+
+Triton stages pipelined loads in shared memory and refuses a launch whose kernel needs more than the
+device has per block: 96 KiB fits every GPU functe targets (sm_86/89 allow 99 KiB a block, sm_80
+163, sm_90 227). Three stages of a bf16 tile of 8192 elements take exactly 96 KiB; larger tiles take
+fewer stages or none (fp32 beyond 1024 columns and fp64 run unpipelined, as before the tuning, and
+were not measured since: pipelined, fp32 needed 192 KiB, more than an A100 has, and fp64 more than
+an H100, by a review's compile of the launches with Triton 3.9's ptxas).
+"""
+
 
 def _bwd_partials(block_n: int) -> int:
     """How many programs split a backward's rows (each writes one fp32 row of dγ/dβ partial sums).
@@ -295,11 +306,16 @@ def check_norm_bias(kind: str, bias: Tensor | None) -> None:
         raise ValueError(f"a {kind} norm takes no bias (only LayerNorm has β), got {describe(bias)}")
 
 
+def _rows_per_member(x: Tensor, members: int) -> int:
+    """Rows of ``x`` (its last dimension a row) per member of a ``members``-stacked call."""
+    return x.numel() // max(x.shape[-1], 1) // max(members, 1)
+
+
 def _tiling(x: Tensor, kind: str, members: int = 1) -> tuple[int, int, int]:
     """``(block_r, block_n, warps)`` for ``x``'s rows (the norm kernels and their fused casts); with
     ``members``, for one member's rows (a vmapped call: each member tiled as its own call)."""
     n_cols = x.shape[-1]
-    n_rows = x.numel() // max(n_cols, 1) // max(members, 1)
+    n_rows = _rows_per_member(x, members)
     if n_cols > MAX_COLS:
         raise ShapeError(
             f"functe.{_OPS[kind]}: argument 'x' expected rows of at most {MAX_COLS} elements on the Triton "
@@ -328,24 +344,11 @@ def _bwd_tiling(x: Tensor, kind: str, members: int = 1, *, accum: bool = False) 
     which also load the residual's gradient.
     """
     _, block_n, _ = _tiling(x, kind, members)
-    n_rows = x.numel() // max(x.shape[-1], 1) // max(members, 1)
-    block_r = min(next_power_of_2(n_rows), 4, max(1, _BWD_TILE_ELEMENTS // block_n))
+    block_r = min(next_power_of_2(_rows_per_member(x, members)), 4, max(1, _BWD_TILE_ELEMENTS // block_n))
     warps = 4 if block_n <= 1024 else 8 if block_n <= 8192 else 16
     tile_bytes = block_r * block_n * x.element_size() * (3 if accum else 2)
     stages = next((s for s in (3, 2) if s * tile_bytes <= _PIPELINE_BYTES), 1) if block_n <= 8192 else 1
     return block_r, block_n, warps, stages, _bwd_partials(block_n)
-
-
-_PIPELINE_BYTES = 96 * 1024
-"""Shared memory the backward's pipelined loads may take (stages x one tile of each tensor it loads).
-
-Triton stages pipelined loads in shared memory and refuses a launch whose kernel needs more than the
-device has per block: 96 KiB fits every GPU functe targets (sm_86/89 allow 99 KiB a block, sm_80
-163, sm_90 227). Three stages of a bf16 tile of 8192 elements take exactly 96 KiB; an fp32 or fp64
-tile, unpipelined before the tuning and not measured since, stays unpipelined (fp32 pipelined
-needed 192 KiB, more than an A100 has, and fp64 more than an H100: a review's compile of the
-launches with Triton 3.9's ptxas).
-"""
 
 
 def mean_count(kind: str, n_cols: int) -> int:
