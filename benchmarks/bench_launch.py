@@ -13,26 +13,37 @@ Triton kernels directly, then through functe's launchers, then through its ``Ker
 ``ops.gelu`` itself: each row adds one layer, so the differences are each layer's cost. The Triton
 rows need CUDA.
 
-Run: ``python -m benchmarks.bench_launch``. Results: docs/benchmarks.md ("GPU: NVIDIA H100").
+``--proxy`` runs every row on the CPU with functe's Triton path but each ``kernel[grid](...)``
+replaced by a no-op (:func:`no_op_launches`): the argument checks, result allocations, launcher
+arithmetic, ``Kernel`` dispatch and custom_vjp bookkeeping all run, Triton's own launch and the
+kernel's work do not. That is functe's share of a GPU step's host time, measurable without a GPU
+(a GPU host ran Python about 3-4x slower per call than this project's CPU machines: compare rows
+within one run only). The results it computes are uninitialised memory: it times, it does not check.
+
+Run: ``python -m benchmarks.bench_launch [--proxy]``. Results: docs/benchmarks.md ("GPU: NVIDIA
+H100", "Host time without a GPU").
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
+import functe
 from functe import ops
 from functe.kernels import activation as act_kernels
-from functe.kernels._triton import tiled_grid
+from functe.kernels._triton import _SwitchableJIT, tiled_grid
 
 from ._harness import machine
 
 
-def host_us_per_call(fn, *, calls: int = 300, rounds: int = 7) -> float:
-    """Best over ``rounds`` of the wall time per call of ``calls`` back-to-back calls, in µs."""
+def host_us_per_call(fn, *, calls: int = 300, rounds: int = 7, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Best over ``rounds`` of the ``clock`` time per call of ``calls`` back-to-back calls, in µs."""
     cuda = torch.cuda.is_available()
     for _ in range(20):
         fn()
@@ -40,13 +51,30 @@ def host_us_per_call(fn, *, calls: int = 300, rounds: int = 7) -> float:
     for _ in range(rounds):
         if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             fn()
         if cuda:
             torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls)
+        best = min(best, (clock() - start) / calls)
     return best * 1e6
+
+
+def _no_op_launch(*args, **kwargs) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def no_op_launches() -> Iterator[None]:
+    """functe's kernels on the ``"interpret"`` backend with every ``kernel[grid](...)`` a no-op:
+    what runs is functe's host path up to Triton's launch, and nothing after it."""
+    original = _SwitchableJIT.__getitem__
+    _SwitchableJIT.__getitem__ = lambda self, grid: _no_op_launch
+    try:
+        with functe.use_backend("interpret"):
+            yield
+    finally:
+        _SwitchableJIT.__getitem__ = original
 
 
 def _function(forward, backward) -> type[torch.autograd.Function]:
@@ -105,8 +133,12 @@ def gelu_layers(xg: torch.Tensor, dy: torch.Tensor, *, triton: bool) -> dict[str
     return steps
 
 
-def main() -> None:
-    cuda = torch.cuda.is_available()
+def main(argv: list[str] | None = None, *, calls: int = 300, rounds: int = 7) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--proxy", action="store_true", help="CPU, Triton launches replaced by no-ops")
+    proxy = parser.parse_args(argv).proxy
+    cuda = torch.cuda.is_available() and not proxy
+    triton_rows = cuda or proxy
     device = "cuda" if cuda else "cpu"
     x = torch.randn(8, 256, device=device)
     xg, dy = x.clone().requires_grad_(), torch.randn(8, 256, device=device)
@@ -117,27 +149,37 @@ def main() -> None:
         "eager F.gelu fwd+bwd": lambda: torch.autograd.grad(F.gelu(xg, approximate="tanh"), xg, dy),
         "eager F.layer_norm fwd+bwd": lambda: torch.autograd.grad(F.layer_norm(xg, (256,), w, b), (xg, w, b), dy),
     }
-    if cuda:
+    if triton_rows:
         rows |= {
             "functe launcher alone (kernels.activation.activation)": lambda: act_kernels.activation(*act_args),
             "launcher through its custom op": lambda: act_kernels.ACTIVATION.op(*act_args),
             "Kernel dispatch (ACTIVATION)": lambda: act_kernels.ACTIVATION(*act_args),
         }
-    rows |= {f"GELU fwd+bwd: {name}": fn for name, fn in gelu_layers(xg, dy, triton=cuda).items()}
+    rows |= {f"GELU fwd+bwd: {name}": fn for name, fn in gelu_layers(xg, dy, triton=triton_rows).items()}
     rows |= {
         "ops.gelu fwd, no grad": lambda: ops.gelu(x),
         "ops.gelu fwd, grad": lambda: ops.gelu(xg),
         "ops.gelu fwd+bwd": lambda: torch.autograd.grad(ops.gelu(xg), xg, dy),
         "ops.layer_norm fwd+bwd": lambda: torch.autograd.grad(ops.layer_norm(xg, w, b), (xg, w, b), dy),
     }
-    print(machine())
-    print()
-    print(f"### Host time per call, x f32[8,256] on {device} (best of 7 rounds of 300 calls)")
-    print()
-    print("| call | µs |")
-    print("|---|---|")
-    for name, fn in rows.items():
-        print(f"| {name} | {host_us_per_call(fn):.1f} |", flush=True)
+    # (the proxy's clock is the thread's CPU time: wall time on a shared 2-core box varied 1.5x)
+    clock = time.thread_time if proxy else time.perf_counter
+    where = "cpu, Triton launches replaced by no-ops (--proxy; thread CPU time)" if proxy else device
+    lines = [
+        machine(),
+        "",
+        f"### Host time per call, x f32[8,256] on {where} (best of {rounds} rounds of {calls} calls)",
+        "",
+        "| call | µs |",
+        "|---|---|",
+    ]
+    for line in lines:
+        print(line)
+    with no_op_launches() if proxy else contextlib.nullcontext():
+        for name, fn in rows.items():
+            lines.append(f"| {name} | {host_us_per_call(fn, calls=calls, rounds=rounds, clock=clock):.1f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

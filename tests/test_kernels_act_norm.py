@@ -324,6 +324,30 @@ def test_host_time_benchmark_layers_compute_the_same_gradient():
         assert_close(grad, expected, msg=name)
 
 
+def test_host_time_proxy_times_every_layer_without_launching_and_restores_launches():
+    """bench_launch --proxy times functe's host path on the CPU with Triton's launches made no-ops:
+    inside it a launch must be the no-op (else it would time the interpreter), every layer's row
+    must print, and afterwards launches must compute again."""
+    from benchmarks import bench_launch
+
+    x = make((2, 13))
+    with bench_launch.no_op_launches():
+        assert functe.get_backend() == "interpret"
+        assert ak._act_kernel[(1,)] is bench_launch._no_op_launch
+    text = bench_launch.main(["--proxy"], calls=2, rounds=1)
+    assert "replaced by no-ops" in text
+    for row in (
+        "functe launcher alone",
+        "Kernel dispatch (ACTIVATION)",
+        "Function(Triton kernel[grid])",
+        "ops.layer_norm",
+    ):
+        assert f"| {row}" in text or f": {row}" in text, row
+    assert ak._act_kernel[(1,)] is not bench_launch._no_op_launch
+    with functe.use_backend("interpret"):
+        assert_close(ops.gelu(x), UNARY["gelu"](x.double()).float())
+
+
 def test_interleaved_views_match_the_reference_layout():
     x = torch.arange(16.0).view(1, 16)
     a, b = ak._halves(x, 2)

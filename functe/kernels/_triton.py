@@ -238,6 +238,12 @@ def jit(fn):
     return kernel
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints: ``triton.cdiv`` is a ``ConstexprFunction`` since Triton 3.9,
+    ~1.5 µs a host call (two or three per launch: a fifth of an activation launcher's Python)."""
+    return -(-a // b)
+
+
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= ``n`` (and >= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -29,14 +29,13 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from .._errors import describe_shape, shape_error
 from .._kernel import Kernel, Rowwise
 from . import _act, _fast
 from ._common import rows_view
-from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
+from ._triton import cdiv, jit, next_power_of_2, tile_ids, tiled_grid
 from .activation import activation_ref
 from .quantize import (
     CLAMPED_SWIGLU,
@@ -228,11 +227,11 @@ def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_row
     act_id, gated, clamped, n_cols = act_layout(x, act)
     rows = rows_view(x.contiguous())
     n_rows, in_cols = rows.shape
-    n_blocks = triton.cdiv(n_cols, BLOCK)
+    n_blocks = cdiv(n_cols, BLOCK)
     check_fp8_output(qdtype, out_dtype)
     q = torch.empty((*x.shape[:-1], n_cols), dtype=out_dtype, device=x.device)
     h = torch.empty(q.shape if keep else (0,), dtype=x.dtype, device=x.device)
-    lead = x.shape[:-1] if block_rows == 1 else (triton.cdiv(n_rows, block_rows),)
+    lead = x.shape[:-1] if block_rows == 1 else (cdiv(n_rows, block_rows),)
     scale_inv = torch.empty((*lead, n_blocks), dtype=torch.float32, device=x.device)
     outputs = (h, q, scale_inv) if keep else (q, scale_inv)
     if q.numel() == 0:
@@ -243,7 +242,7 @@ def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_row
         block_rb, chunk = max(1, min(next_power_of_2(n_rows), 16 // block_cb)), 1
     else:
         block_cb, block_rb, chunk = 1, 1, 32
-    grid = tiled_grid(triton.cdiv(triton.cdiv(n_rows, block_rows), block_rb), triton.cdiv(n_blocks, block_cb))
+    grid = tiled_grid(cdiv(cdiv(n_rows, block_rows), block_rb), cdiv(n_blocks, block_cb))
     _fp8_block_kernel[grid](
         rows,
         _storage(q),
@@ -559,7 +558,7 @@ def dequantize_grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int]:
     kernel splits its program id with ``tile_ids(cdiv(n_cols, BLOCK_C))``)."""
     block_c = min(next_power_of_2(n_cols), 128)
     block_r = max(1, min(next_power_of_2(n_rows), 2048 // block_c))
-    return tiled_grid(triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c)), block_r, block_c
+    return tiled_grid(cdiv(n_rows, block_r), cdiv(n_cols, block_c)), block_r, block_c
 
 
 def check_block_scales(op: str, arg: str, scales: Tensor, shape, block_rows: int, block_cols: int) -> None:

@@ -37,7 +37,6 @@ import math
 import struct
 
 import torch
-import triton
 import triton.language as tl
 
 from .._errors import describe, dtype_error, shape_error
@@ -45,7 +44,7 @@ from .._kernel import Kernel, Rowwise
 from . import _fast
 from ._common import compute_dtype, tl_compute_dtype
 from ._fast import eager_cpu
-from ._triton import ELEMENTWISE_BLOCK, jit
+from ._triton import ELEMENTWISE_BLOCK, cdiv, jit
 
 Tensor = torch.Tensor
 
@@ -161,7 +160,7 @@ def dropout(x: Tensor, seed: Tensor, p: float) -> Tensor:
     groups = seed.numel()
     if flat.numel():
         group_numel = flat.numel() // groups
-        blocks = triton.cdiv(group_numel, ELEMENTWISE_BLOCK)
+        blocks = cdiv(group_numel, ELEMENTWISE_BLOCK)
         _dropout_kernel[(groups * blocks,)](
             flat,
             seed.contiguous(),

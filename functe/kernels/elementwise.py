@@ -13,13 +13,12 @@ All compute in fp32 (fp64 for fp64 inputs) and cast the result to the input dtyp
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from .._errors import describe_shape, shape_error
 from .._kernel import Kernel, Rowwise
 from ._common import as_rows, column_sums, compute_dtype, tl_compute_dtype
-from ._triton import ELEMENTWISE_BLOCK, jit, next_power_of_2, tile_ids, tiled_grid
+from ._triton import ELEMENTWISE_BLOCK, cdiv, jit, next_power_of_2, tile_ids, tiled_grid
 
 Tensor = torch.Tensor
 
@@ -45,7 +44,7 @@ def axpby(x: Tensor, e: Tensor | None, alpha: float, beta: float) -> Tensor:
         # (HAS_E says whether e was given: e may be x itself, x + x, which must not lose its second term)
         has_e = e is not None
         e = e.contiguous() if has_e else x
-        grid = (triton.cdiv(n, ELEMENTWISE_BLOCK),)
+        grid = (cdiv(n, ELEMENTWISE_BLOCK),)
         _axpby_kernel[grid](
             x, e, y, n, alpha, beta, HAS_E=has_e, BLOCK=ELEMENTWISE_BLOCK, COMPUTE=tl_compute_dtype(x.dtype)
         )
@@ -84,7 +83,7 @@ def add_bias(x: Tensor, b: Tensor) -> Tensor:
     if rows.numel():
         block_c = min(next_power_of_2(n_cols), 256)
         block_r = max(1, 2048 // block_c)
-        grid = tiled_grid(triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+        grid = tiled_grid(cdiv(n_rows, block_r), cdiv(n_cols, block_c))
         _add_bias_kernel[grid](
             rows,
             b.contiguous(),
@@ -135,10 +134,10 @@ def bias_grad(dy: Tensor) -> Tensor:
         return torch.zeros(n_cols, dtype=dy.dtype, device=dy.device)
     block_c = min(next_power_of_2(n_cols), 128)
     block_r = max(1, min(next_power_of_2(n_rows), 4096 // block_c))
-    rows_per_program = max(triton.cdiv(n_rows, _PARTIAL_PROGRAMS), block_r)
-    n_programs = triton.cdiv(n_rows, rows_per_program)
+    rows_per_program = max(cdiv(n_rows, _PARTIAL_PROGRAMS), block_r)
+    n_programs = cdiv(n_rows, rows_per_program)
     partials = torch.empty((n_programs, n_cols), dtype=acc, device=dy.device)
-    grid = tiled_grid(n_programs, triton.cdiv(n_cols, block_c))
+    grid = tiled_grid(n_programs, cdiv(n_cols, block_c))
     _column_partial_sums_kernel[grid](
         rows,
         partials,

@@ -76,7 +76,7 @@ from . import _gemm_configs
 from ._act import ACTIVATIONS, act_fwd, act_fwd_ref, act_grad, act_grad_ref
 from ._common import column_sums, compute_dtype, rows_view, tl_compute_dtype, tl_dtype
 from ._fp8_cast import FP8_DTYPES, fp8_format, saturating_cast
-from ._triton import jit, on_device_of
+from ._triton import cdiv, jit, on_device_of
 
 Tensor = torch.Tensor
 
@@ -335,7 +335,7 @@ def _launcher(a: Tensor, M: int, N: int):
     """``(kernel[grid], max tiles, fixed config)``: the interpreter's fixed config, or the autotuned GPU kernel."""
     if interpreting():
         config = dict(_gemm_configs.INTERPRET)
-        tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+        tiles = cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"])
         programs = min(tiles, _gemm_configs.INTERPRET_PROGRAMS) if config["PERSISTENT"] else tiles
         return _gemm_kernel[(programs,)], tiles, config
     configs = _gemm_configs.configs_for(a.element_size())
@@ -343,10 +343,10 @@ def _launcher(a: Tensor, M: int, N: int):
     sms = _sm_count(a.device)
 
     def grid(meta):
-        n = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        n = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
         return (min(n, sms) if meta["PERSISTENT"] else n,)
 
-    return _autotuned(a.element_size())[grid], triton.cdiv(M, bm) * triton.cdiv(N, bn), {}
+    return _autotuned(a.element_size())[grid], cdiv(M, bm) * cdiv(N, bn), {}
 
 
 def run_gemm(

@@ -21,7 +21,6 @@ have produced), so a fused result equals ``quantize(unfused output)`` exactly:
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from .._backend import interpreting
@@ -29,7 +28,7 @@ from .._errors import DTypeError, check_same_device, check_tensor, describe, dty
 from .._kernel import Kernel, Rowwise
 from ._common import as_rows, rows_view
 from ._fp8_cast import FP8_DTYPES, current_scale, fp8_format, fp8_max, saturating_cast, saturating_cast_ref
-from ._triton import ELEMENTWISE_BLOCK, jit
+from ._triton import ELEMENTWISE_BLOCK, cdiv, jit
 from .gemm import check_forward, forward_ref, run_gemm
 
 Tensor = torch.Tensor
@@ -180,7 +179,7 @@ def cast_fp8(y: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     n = rows.numel()
     if n:
         fp8_max_value, mant, emin = fp8_format(fp8_dtype)
-        _cast_fp8_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](
+        _cast_fp8_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](
             rows, scale, q, n, FP8_MAX=fp8_max_value, MANT=mant, EMIN=emin, EMULATE=interpreting(),
             BLOCK=ELEMENTWISE_BLOCK,
         )  # fmt: skip

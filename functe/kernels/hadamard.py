@@ -22,13 +22,12 @@ Kernel and twin run the same butterfly, so they agree bit for bit.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from .._errors import describe_shape, shape_error
 from .._kernel import Kernel
 from ._common import as_rows, compute_dtype, tl_compute_dtype
-from ._triton import jit
+from ._triton import cdiv, jit
 from .dropout import _i32, _keys, _mix_, check_seed_dtype, key_int, mix, mix_int, mix_torch, seed_key
 
 Tensor = torch.Tensor
@@ -151,7 +150,7 @@ def rht16(x: Tensor, seed: Tensor, inverse: bool, out_dtype: torch.dtype) -> Ten
     n = rows.numel() // RHT_SIZE
     if n:
         block_r = 64
-        _rht_kernel[(triton.cdiv(n, block_r),)](
+        _rht_kernel[(cdiv(n, block_r),)](
             rows, seed, y, n, INVERSE=inverse, BLOCK_R=block_r, COMPUTE=tl_compute_dtype(x.dtype)
         )
     return y

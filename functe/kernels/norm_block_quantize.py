@@ -32,12 +32,11 @@ as the GEMM emulation consumes them, or float8 bits for FP8 block scaling.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from .._kernel import Kernel
 from ._common import as_rows, compute_dtype, tl_compute_dtype
-from ._triton import jit
+from ._triton import cdiv, jit
 from .block_quantize import BLOCK as FP8_BLOCK
 from .block_quantize import fp8_block_cast_ref, fp8_block_scale, nan_max
 from .norm import (
@@ -129,7 +128,7 @@ def _launch(x, weight, bias, amax, eps, kind, zero_centered_gamma, nvfp4, qdtype
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     block = NVFP4_BLOCK if nvfp4 else FP8_BLOCK
-    n_blocks = triton.cdiv(n_cols, block)
+    n_blocks = cdiv(n_cols, block)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     s_dtype = torch.float8_e4m3fn if nvfp4 else torch.float32
@@ -139,7 +138,7 @@ def _launch(x, weight, bias, amax, eps, kind, zero_centered_gamma, nvfp4, qdtype
         return y, q, scales, mean, rstd
     block_r, block_n, warps = _tiling(x, kind)  # the norm kernels' tiling: the same reductions
     fmt = fp8_constexprs(qdtype, out_dtype)
-    _norm_block_cast_kernel[(triton.cdiv(n_rows, block_r),)](
+    _norm_block_cast_kernel[(cdiv(n_rows, block_r),)](
         rows,
         weight.contiguous(),
         rows if bias is None else bias.contiguous(),

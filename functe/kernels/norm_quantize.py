@@ -27,12 +27,11 @@ Scaling recipes (:func:`functe._quantize.cast_norm`):
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from .._kernel import Kernel
 from ._common import as_rows, tl_compute_dtype
-from ._triton import jit
+from ._triton import cdiv, jit
 from .norm import (
     _tiling,
     check_norm_bias,
@@ -125,7 +124,7 @@ def norm_cast_amax(
     if rows.numel() == 0:
         return q, mean, rstd, torch.zeros((), dtype=torch.float32, device=x.device)
     block_r, block_n, warps = _tiling(x, kind)  # the norm kernels' tiling: the same reductions
-    programs = triton.cdiv(n_rows, block_r)
+    programs = cdiv(n_rows, block_r)
     partial = torch.empty(programs, dtype=torch.float32, device=x.device)
     _norm_cast_kernel[(programs,)](
         rows,

@@ -31,14 +31,13 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from .._errors import shape_error
 from .._kernel import Kernel
 from . import _fast
 from ._common import rows_view
-from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
+from ._triton import cdiv, jit, next_power_of_2, tile_ids, tiled_grid
 from .block_quantize import (
     _MODE_ACT,
     _MODE_CAST,
@@ -224,15 +223,15 @@ def nvfp4_cast(
     _check_packing(x, n_cols, out_dtype)
     rows = rows_view(x.contiguous())
     n_rows, in_cols = rows.shape
-    n_blocks = triton.cdiv(n_cols, BLOCK)
+    n_blocks = cdiv(n_cols, BLOCK)
     q = torch.empty((*x.shape[:-1], n_cols // 2 if packed else n_cols), dtype=out_dtype, device=x.device)
-    lead = x.shape[:-1] if tile_rows == 1 else (triton.cdiv(n_rows, tile_rows),)
+    lead = x.shape[:-1] if tile_rows == 1 else (cdiv(n_rows, tile_rows),)
     scales = torch.empty((*lead, n_blocks), dtype=torch.float8_e4m3fn, device=x.device)
     if n_rows == 0 or n_cols == 0:
         return q, scales
     block_cb = min(next_power_of_2(n_blocks), 8)
-    block_rb = max(1, min(next_power_of_2(triton.cdiv(n_rows, tile_rows)), 128 // (block_cb * tile_rows)))
-    grid = tiled_grid(triton.cdiv(triton.cdiv(n_rows, tile_rows), block_rb), triton.cdiv(n_blocks, block_cb))
+    block_rb = max(1, min(next_power_of_2(cdiv(n_rows, tile_rows)), 128 // (block_cb * tile_rows)))
+    grid = tiled_grid(cdiv(cdiv(n_rows, tile_rows), block_rb), cdiv(n_blocks, block_cb))
     _nvfp4_kernel[grid](
         rows,
         amax.to(torch.float32),

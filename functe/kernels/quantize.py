@@ -35,14 +35,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 import triton.language as tl
 
 from .._errors import describe_shape, shape_error
 from .._kernel import Kernel, Rowwise
 from . import _act
 from ._common import as_rows, column_sums
-from ._triton import jit, next_power_of_2, tile_ids, tiled_grid
+from ._triton import cdiv, jit, next_power_of_2, tile_ids, tiled_grid
 from .activation import activation_ref, dactivation_ref
 
 Tensor = torch.Tensor
@@ -267,9 +266,9 @@ def _launch(x, dy, scale, mode, act, limit, alpha, offset, qdtype, out_dtype, wr
         return q, db, amax
     block_c = min(next_power_of_2(n_cols), 128)
     block_r = max(1, min(next_power_of_2(n_rows), 2048 // block_c))
-    rows_per_program = max(triton.cdiv(n_rows, _PARTIAL_PROGRAMS), block_r)
-    n_programs = triton.cdiv(n_rows, rows_per_program)
-    n_col_programs = triton.cdiv(n_cols, block_c)
+    rows_per_program = max(cdiv(n_rows, _PARTIAL_PROGRAMS), block_r)
+    n_programs = cdiv(n_rows, rows_per_program)
+    n_col_programs = cdiv(n_cols, block_c)
     grid = tiled_grid(n_programs, n_col_programs)
     partial_amax = torch.empty((n_programs, n_col_programs), dtype=torch.float32, device=x.device)
     partial_sums = torch.empty((n_programs, n_cols) if dbias else (1,), dtype=torch.float32, device=x.device)
@@ -631,7 +630,7 @@ def mxfp8_cast(x: Tensor, qdtype: torch.dtype, out_dtype: torch.dtype) -> tuple[
     value ``q * scale_inv`` (exact: a power-of-two multiple of an FP8 value).
     """
     n_cols = x.shape[-1]
-    n_blocks = triton.cdiv(n_cols, 32)
+    n_blocks = cdiv(n_cols, 32)
     check_fp8_output(qdtype, out_dtype)
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     e = torch.empty((*x.shape[:-1], n_blocks), dtype=torch.uint8, device=x.device)
@@ -641,7 +640,7 @@ def mxfp8_cast(x: Tensor, qdtype: torch.dtype, out_dtype: torch.dtype) -> tuple[
         fmt = FP8_FORMATS[qdtype]
         block_b = min(next_power_of_2(n_blocks), 4)
         block_r = max(1, min(next_power_of_2(n_rows), 2048 // (32 * block_b)))
-        grid = tiled_grid(triton.cdiv(n_rows, block_r), triton.cdiv(n_blocks, block_b))
+        grid = tiled_grid(cdiv(n_rows, block_r), cdiv(n_blocks, block_b))
         _mxfp8_kernel[grid](
             rows,
             _storage(q),
