@@ -564,3 +564,16 @@ def test_cpu_fast_paths_allocate_on_the_cpu_under_another_default_device():
             got = case()
         for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
             assert a.device.type == "cpu" and torch.equal(a, b)
+
+
+def test_layer_norm_backward_kernel_refuses_statistics_of_another_row_count():
+    """The Triton backward reads one mean and one rstd per row: the error names the short or long one."""
+    x, dy, w = make((3, 8)), make((3, 8)), make((8,))
+    with functe.use_backend("interpret"):
+        _, mean, rstd = nk.layer_norm(x, w, make((8,)), 1e-5, False)
+        with pytest.raises(functe.ShapeError, match=r"layer_norm.*'mean' expected f32\[3\].*f32\[2\]"):
+            nk.layer_norm_bwd(dy, x, mean[:2], rstd, w, False)
+        with pytest.raises(functe.ShapeError, match=r"layer_norm.*'rstd' expected f32\[3\].*f32\[4\]"):
+            nk.layer_norm_bwd(dy, x, mean, torch.cat([rstd, rstd[:1]]), w, False)
+        dx, dw, db = nk.layer_norm_bwd(dy, x, mean, rstd, w, False)  # (the right ones still run)
+        assert dx.shape == x.shape and dw.shape == db.shape == (8,)
