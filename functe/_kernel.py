@@ -147,7 +147,8 @@ class Kernel:
         self.fast_path = fast_path
         self.quantizes = quantizes
         self.op = torch.library.custom_op(f"functe::{name}", launcher, mutates_args=())
-        self.launch = _launching(self, _with_float_scalars(launcher))
+        self.direct = _with_float_scalars(launcher)
+        self.launch = _launching(self, self.direct)
         # The twin is plain torch, so on fake tensors it computes exactly the
         # output shapes and dtypes: it serves as the op's fake implementation.
         self.op.register_fake(twin)
@@ -159,6 +160,12 @@ class Kernel:
             if isinstance(first, Tensor):
                 break
         if runs_triton_on(first):
+            if not torch.compiler.is_compiling():
+                route = _triton_route(args)  # (one pass for `records` and `eager_launch`: ~1.5 us a call)
+                if route is _DIRECT:
+                    return self.direct(*args)
+                if route is _CUSTOM_OP:
+                    return self.op(*args)
             run, function = self.launch, self.function
         elif type(first) not in PLAIN_TENSOR_TYPES or not first.is_cpu:  # (is_cpu: see runs_triton_on)
             return self.twin(*args)
@@ -188,6 +195,7 @@ class Kernel:
 
 
 _transforms_active = torch._C._are_functorch_transforms_active
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _jit_tracing = torch._C._is_tracing
 _profiling = torch._C._autograd._profiler_enabled
@@ -225,6 +233,29 @@ def _launching(kernel: Kernel, direct: Callable) -> Callable:
         return direct(*args) if eager_launch(args) else kernel.op(*args)
 
     return launch
+
+
+_DIRECT, _CUSTOM_OP, _RECORDED = "direct", "custom op", "recorded"
+
+
+def _triton_route(args: Sequence[Any]) -> str:
+    """How a Triton kernel call outside ``torch.compile`` runs, in one pass over its arguments:
+    ``_RECORDED`` where :func:`functe._backend.records` says autograd or a transform records it (its
+    Function), else ``_DIRECT`` or ``_CUSTOM_OP`` as :func:`eager_launch` decides (the same tests,
+    in that order of precedence)."""
+    grad = torch.is_grad_enabled()
+    direct = not (_dispatch_modes() or _jit_tracing() or _profiling())
+    for a in args:
+        if isinstance(a, Tensor):
+            if (grad and a.requires_grad) or _is_wrapped(a):
+                return _RECORDED
+            if direct and (
+                type(a) not in PLAIN_TENSOR_TYPES or a.is_meta or a.is_neg() or a._is_zerotensor() or a.is_nested
+            ):
+                direct = False
+    if any_tangent(args):
+        return _RECORDED
+    return _DIRECT if direct else _CUSTOM_OP
 
 
 def eager_launch(args: Sequence[Any]) -> bool:
