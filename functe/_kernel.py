@@ -244,14 +244,12 @@ def _triton_route(args: Sequence[Any]) -> str:
     Function), else ``_DIRECT`` or ``_CUSTOM_OP`` as :func:`eager_launch` decides (the same tests,
     in that order of precedence)."""
     grad = torch.is_grad_enabled()
-    direct = not (_dispatch_modes() or _jit_tracing() or _profiling())
+    direct = not _dispatcher_recorded()
     for a in args:
         if isinstance(a, Tensor):
             if (grad and a.requires_grad) or _is_wrapped(a):
                 return _RECORDED
-            if direct and (
-                type(a) not in PLAIN_TENSOR_TYPES or a.is_meta or a.is_neg() or a._is_zerotensor() or a.is_nested
-            ):
+            if direct and _misread(a):
                 direct = False
     if any_tangent(args):
         return _RECORDED
@@ -274,14 +272,20 @@ def eager_launch(args: Sequence[Any]) -> bool:
       other sign), an efficient zero tensor (no memory), a nested tensor (the op's error names it).
     """
     # (is_compiling first: Dynamo cannot trace the other checks)
-    if torch.compiler.is_compiling() or _dispatch_modes() or _jit_tracing() or _profiling():
+    if torch.compiler.is_compiling() or _dispatcher_recorded():
         return False
-    for a in args:
-        if isinstance(a, Tensor) and (
-            type(a) not in PLAIN_TENSOR_TYPES or a.is_meta or a.is_neg() or a._is_zerotensor() or a.is_nested
-        ):
-            return False
-    return True
+    return not any(_misread(a) for a in args if isinstance(a, Tensor))
+
+
+def _dispatcher_recorded() -> bool:
+    """Whether a dispatch mode, ``torch.jit.trace`` or the profiler records the dispatcher (see
+    :func:`eager_launch`; the caller has ruled out ``torch.compile``)."""
+    return bool(_dispatch_modes() or _jit_tracing() or _profiling())
+
+
+def _misread(a: Tensor) -> bool:
+    """Whether a launcher reading ``a``'s memory directly would misread it (see :func:`eager_launch`)."""
+    return type(a) not in PLAIN_TENSOR_TYPES or a.is_meta or a.is_neg() or a._is_zerotensor() or a.is_nested
 
 
 def _float_positions(args: Sequence[Any]) -> list[int]:
