@@ -426,7 +426,7 @@ def _fwd(
     rows_per_member = n_rows if shared_x else n_rows // max(m, 1)
     # Results in their own shapes (contiguous, so the kernel's row-major indexing holds): views
     # returned from a Function cost an un-viewing at its boundary (_backend.unaliased_outputs).
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if shared_x else torch.empty_like(rows)
     stats = kind == "layer"
     mean, rstd = new_stats(x, kind)
     if y.numel():
@@ -497,8 +497,10 @@ def _bwd(
     n_tiles = cdiv(rows_per_member, block_r)
     tiles_per_program = cdiv(n_tiles, partials)
     programs = cdiv(n_tiles, tiles_per_program)
-    dw_partial = torch.empty((m, programs, n_cols), dtype=acc, device=x.device) if w is not None else None
-    db_partial = torch.empty((m, programs, n_cols), dtype=acc, device=x.device) if has_b else None
+    # (one member's partial sums without a member dimension: reduced without an index, ~1 us each)
+    partial_shape = (m, programs, n_cols) if members else (programs, n_cols)
+    dw_partial = torch.empty(partial_shape, dtype=acc, device=x.device) if w is not None else None
+    db_partial = torch.empty(partial_shape, dtype=acc, device=x.device) if has_b else None
     if stats is not None:
         for arg, stat in zip(("mean", "rstd"), stats):
             if stat.numel() != n_rows:  # (the kernel reads one per row: past a shorter one)
@@ -537,7 +539,7 @@ def _bwd(
     def reduce(partial: Tensor | None, dtype: torch.dtype) -> Tensor | None:
         if partial is None:
             return None
-        return (partial.sum(1) if members else partial[0].sum(0)).to(dtype)
+        return partial.sum(1 if members else 0).to(dtype)
 
     return dx, reduce(dw_partial, None if w is None else w.dtype), reduce(db_partial, x.dtype)
 
