@@ -92,14 +92,32 @@ def per_call(fn, *, calls: int = 200, rounds: int = 15) -> float:
     of the numbers (wall time at microsecond scale mostly measures the
     scheduler). On a GPU this is the host-side cost of launching the work.
     """
-    for _ in range(calls):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.thread_time()
+    return per_call_each({"fn": fn}, calls=calls, rounds=rounds)["fn"]
+
+
+def per_call_each(fns: dict[str, Callable[[], object]], *, calls: int = 200, rounds: int = 15) -> dict[str, float]:
+    """:func:`per_call` of each of ``fns``, their batches taken in turn (round-robin).
+
+    The thread's CPU clock still moves with the machine's load (a neighbour's cache and memory
+    traffic, frequency): on a shared 2-core box the same row moved up to 2x between runs. Batches
+    taken in turn see the same conditions, so the ratios between the implementations hold even
+    where the absolute times drift.
+
+    Example:
+        >>> times = per_call_each({"a": lambda: None, "b": lambda: sum(range(100))}, calls=10, rounds=2)
+        >>> sorted(times) == ["a", "b"] and all(t >= 0 for t in times.values())
+        True
+    """
+    for fn in fns.values():
         for _ in range(calls):
             fn()
-        best = min(best, (time.thread_time() - start) / calls)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.thread_time()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.thread_time() - start) / calls)
     return best
 
 

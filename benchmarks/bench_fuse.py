@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import functe
 from functe import ops
 
-from ._harness import machine, per_call, table
+from ._harness import machine, per_call_each, table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -135,10 +135,12 @@ def overhead() -> str:
     torch.set_num_threads(1)  # tiny tensors never use the intra-op pool; one thread makes CPU time = cost
     rows = []
     for block, impls in [("MLP", implementations()), ("native", implementations(native_torch, native_functe))]:
-        rows.append((f"{block}: forward", {k: per_call(lambda f=f: f(x, p)) for k, f in impls.items()}))
-        rows.append((f"{block}: forward + backward", {k: per_call(_fwd_bwd(f, x, p, cot)) for k, f in impls.items()}))
+        forwards = {k: (lambda f=f: f(x, p)) for k, f in impls.items()}
+        rows.append((f"{block}: forward", per_call_each(forwards)))
+        steps = {k: _fwd_bwd(f, x, p, cot) for k, f in impls.items()}
+        rows.append((f"{block}: forward + backward", per_call_each(steps)))
         with torch.no_grad():
-            rows.append((f"{block}: forward, no grad", {k: per_call(lambda f=f: f(x, p)) for k, f in impls.items()}))
+            rows.append((f"{block}: forward, no grad", per_call_each(forwards)))
     torch.set_num_threads(threads)
     return table("Per-call CPU time, tiny blocks (4 tokens, 8 hidden, 16 ffn, fp32, 1 thread)", rows, baseline="eager")
 
@@ -192,7 +194,7 @@ def batched() -> str:
         for k, f in impls.items():
             step = transform(lambda x, p, f=f: f(x, p).square().sum())
             steps[k] = lambda step=step: step(xs, p)
-        rows.append((f"MLP, 32 examples: {case}", {k: per_call(s, calls=20, rounds=7) for k, s in steps.items()}))
+        rows.append((f"MLP, 32 examples: {case}", per_call_each(steps, calls=20, rounds=7)))
     torch.set_num_threads(threads)
     return table(
         "Per-call CPU time, batched gradients (32 examples of 4 tokens, 8 hidden, 16 ffn, fp32, 1 thread)",

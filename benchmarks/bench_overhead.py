@@ -10,7 +10,8 @@ At tiny shapes the time is the Python and dispatch around the math, which is wha
 
 and in ``eager`` (plain torch: ``F.linear``, ``F.gelu(tanh)``, ``F.layer_norm``), ``functe`` (the
 same code with functe ops) and, in autograd mode, ``compile`` (``torch.compile`` of the plain code).
-Times are thread CPU time per call, the best of 15 rounds of 200 calls (``_harness.per_call``), one thread.
+Times are thread CPU time per call, the best of 15 rounds of 200 calls, the implementations timed in turn
+(``_harness.per_call_each``), one thread.
 
 Run: ``python -m benchmarks.bench_overhead``.
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from functe import ops
 
-from ._harness import machine, per_call, table
+from ._harness import machine, per_call_each, table
 
 
 def _case_inputs():
@@ -81,9 +82,10 @@ def main():
         eager, functe_modes = _modes(torch_fn, x, p), _modes(functe_fn, x, p)
         compiled = _modes(torch.compile(torch_fn), x, p)["autograd"]
         for mode in eager:
-            impls = {"eager": per_call(eager[mode]), "functe": per_call(functe_modes[mode])}
+            fns = {"eager": eager[mode], "functe": functe_modes[mode]}
             if mode == "autograd":
-                impls["compile"] = per_call(compiled)
+                fns["compile"] = compiled
+            impls = per_call_each(fns)
             tables.setdefault(mode, []).append((case, impls))
             print(f"  {case} / {mode}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in impls.items()), flush=True)
     for mode, rows in tables.items():

@@ -30,7 +30,7 @@ import torch
 import functe
 from functe import ops
 
-from ._harness import machine, per_call, table
+from ._harness import machine, per_call_each, table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -141,11 +141,7 @@ def main() -> None:
         rows = [
             (
                 "decode step, depth 4",
-                {
-                    "eager": per_call(lambda: model(x)),
-                    "compile": per_call(lambda: compiled(x)),
-                    "fuse": per_call(lambda: fused(x)),
-                },
+                per_call_each({"eager": lambda: model(x), "compile": lambda: compiled(x), "fuse": lambda: fused(x)}),
             )
         ]
     print()
