@@ -14,7 +14,8 @@ Triton kernels directly, then through functe's launchers, then through its ``Ker
 rows need CUDA.
 
 ``--proxy`` runs every row on the CPU with functe's Triton path but each ``kernel[grid](...)``
-replaced by a no-op (:func:`no_op_launches`): the argument checks, result allocations, launcher
+replaced by a no-op (:func:`no_op_launches`), in thread CPU time with the rows' batches taken in
+turn (``_harness.per_call_each``): the argument checks, result allocations, launcher
 arithmetic, ``Kernel`` dispatch and custom_vjp bookkeeping all run, Triton's own launch and the
 kernel's work do not. That is functe's share of a GPU step's host time, measurable without a GPU
 (a GPU host ran Python about 3-4x slower per call than this project's CPU machines: compare rows
@@ -39,11 +40,11 @@ from functe import ops
 from functe.kernels import activation as act_kernels
 from functe.kernels._triton import _SwitchableJIT, tiled_grid
 
-from ._harness import machine
+from ._harness import machine, per_call_each
 
 
-def host_us_per_call(fn, *, calls: int = 300, rounds: int = 7, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Best over ``rounds`` of the ``clock`` time per call of ``calls`` back-to-back calls, in µs."""
+def host_us_per_call(fn, *, calls: int = 300, rounds: int = 7) -> float:
+    """Best over ``rounds`` of the wall time per call of ``calls`` back-to-back calls, in µs."""
     cuda = torch.cuda.is_available()
     for _ in range(20):
         fn()
@@ -51,12 +52,12 @@ def host_us_per_call(fn, *, calls: int = 300, rounds: int = 7, clock: Callable[[
     for _ in range(rounds):
         if cuda:
             torch.cuda.synchronize()
-        start = clock()
+        start = time.perf_counter()
         for _ in range(calls):
             fn()
         if cuda:
             torch.cuda.synchronize()
-        best = min(best, (clock() - start) / calls)
+        best = min(best, (time.perf_counter() - start) / calls)
     return best * 1e6
 
 
@@ -162,9 +163,7 @@ def main(argv: list[str] | None = None, *, calls: int = 300, rounds: int = 7) ->
         "ops.gelu fwd+bwd": lambda: torch.autograd.grad(ops.gelu(xg), xg, dy),
         "ops.layer_norm fwd+bwd": lambda: torch.autograd.grad(ops.layer_norm(xg, w, b), (xg, w, b), dy),
     }
-    # (the proxy's clock is the thread's CPU time: wall time on a shared 2-core box varied 1.5x)
-    clock = time.thread_time if proxy else time.perf_counter
-    where = "cpu, Triton launches replaced by no-ops (--proxy; thread CPU time)" if proxy else device
+    where = "cpu, Triton launches replaced by no-ops (--proxy; thread CPU time, rows in turn)" if proxy else device
     lines = [
         machine(),
         "",
@@ -176,9 +175,15 @@ def main(argv: list[str] | None = None, *, calls: int = 300, rounds: int = 7) ->
     for line in lines:
         print(line)
     with no_op_launches() if proxy else contextlib.nullcontext():
-        for name, fn in rows.items():
-            lines.append(f"| {name} | {host_us_per_call(fn, calls=calls, rounds=rounds, clock=clock):.1f} |")
-            print(lines[-1], flush=True)
+        if proxy:
+            # (thread CPU time, the rows' batches in turn: wall time on a shared 2-core box varied
+            # 1.5x, and a neighbour's load now reaches every row alike)
+            times = {name: t * 1e6 for name, t in per_call_each(rows, calls=calls, rounds=rounds).items()}
+        else:
+            times = {name: host_us_per_call(fn, calls=calls, rounds=rounds) for name, fn in rows.items()}
+    for name, us in times.items():
+        lines.append(f"| {name} | {us:.1f} |")
+        print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
