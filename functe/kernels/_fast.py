@@ -73,9 +73,9 @@ def _tracing_mode() -> bool:
 _TRACING_MODES = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
-def rows_per_chunk(row_elements: int) -> int:
-    """How many rows of ``row_elements`` elements make one chunk."""
-    return max(1, CHUNK_ELEMENTS // max(row_elements, 1))
+def rows_per_chunk(row_elements: int, chunk_scale: int = 1) -> int:
+    """How many rows of ``row_elements`` elements make one chunk (of ``chunk_scale`` x :data:`CHUNK_ELEMENTS`)."""
+    return max(1, CHUNK_ELEMENTS * chunk_scale // max(row_elements, 1))
 
 
 class Scratch:
@@ -134,17 +134,21 @@ def parallel_chunks(
     row_shape: tuple[int, ...],
     dtype: torch.dtype,
     body: Callable[[int, slice, Scratch], None],
+    *,
+    chunk_scale: int = 1,
 ) -> int:
     """Call ``body(index, rows, scratch)`` for every chunk of rows; return the number of chunks.
 
     Chunk ``index`` covers ``rows``; each thread has its own ``scratch``. The
     chunking does not depend on the thread count, so a caller that reduces
     per-chunk partial results in index order gets the same bits on any machine.
+    ``chunk_scale``: chunks of that many times :data:`CHUNK_ELEMENTS` (whole rows, at least one), for
+    a body whose per-call cost favours larger chunks.
     """
     row_elements = 1
     for d in row_shape:
         row_elements *= d
-    step = rows_per_chunk(row_elements)
+    step = rows_per_chunk(row_elements, chunk_scale)
     chunks = [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
     threads = min(torch.get_num_threads(), len(chunks))
 
@@ -158,7 +162,7 @@ def parallel_chunks(
             for i in range(first, len(chunks), stride):
                 body(i, chunks[i], scratch)
 
-    if threads <= 1 or row_elements > CHUNK_ELEMENTS:
+    if threads <= 1 or row_elements > CHUNK_ELEMENTS * chunk_scale:
         work(0, 1)  # one chunk, one thread, or rows so long that each op is worth parallelising itself
     else:
         pool, inference = _executor(torch.get_num_threads()), torch.is_inference_mode_enabled()

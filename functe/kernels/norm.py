@@ -41,8 +41,9 @@ import triton.language as tl
 
 from .._errors import ShapeError, describe, describe_shape, shape_error
 from .._kernel import FoldMembers, Kernel, Members, Rowwise
+from . import _fast
 from ._common import as_dtype, compute_dtype, row_counts, rows_view, shaped, tl_compute_dtype
-from ._fast import CHUNK_ELEMENTS, eager_cpu, parallel_chunks
+from ._fast import eager_cpu, parallel_chunks
 from ._triton import cdiv, jit, next_power_of_2, tile_ids, tiled_grid
 
 Tensor = torch.Tensor
@@ -702,7 +703,7 @@ def layer_norm_ref(
             weight, bias = _gamma(weight, zero_centered_gamma, acc), bias.to(acc)
         # (torch.native_layer_norm and squeeze: the same kernel and views as torch.ops.aten's
         # overload and view(x.shape[:-1]) with ~5 us less Python dispatch at small sizes)
-        if x.dtype != acc and x.numel() <= CHUNK_ELEMENTS:  # (see _recompute_cancelled_rows)
+        if x.dtype != acc and x.numel() <= _fast.CHUNK_ELEMENTS:  # (see _recompute_cancelled_rows)
             y, mean, rstd = torch.native_layer_norm(x.to(acc), x.shape[-1:], weight, bias, eps)
             return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
         y, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], weight, bias, eps)
@@ -972,7 +973,7 @@ def _layer_norm_bwd_fast(dy, x, mean, rstd, weight, zero_centered, accum=None):
     # A β argument only makes the kernel return dβ (its values never enter the backward): γ stands in,
     # saving a zeros allocation per call.
     beta = gamma
-    small = rows.numel() <= CHUNK_ELEMENTS
+    small = rows.numel() <= _fast.CHUNK_ELEMENTS  # (read per call: tests shrink it)
     if small or x.dtype == acc:  # one call: on x − mean with a zero mean when small (see the docstring)
         xs, ms = (torch.sub(rows, mean), torch.zeros_like(mean)) if small else (rows, mean)
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
@@ -986,15 +987,17 @@ def _layer_norm_bwd_fast(dy, x, mean, rstd, weight, zero_centered, accum=None):
     zero_mean = torch.zeros_like(mean)
 
     def body(i, sl, buf):
-        # the upcast subtracts the mean on the way (the same single pass as a copy)
-        xt = torch.sub(rows[sl], mean[sl], out=buf.get("x", sl.stop - sl.start))
+        # (the upcast, then the mean subtracted in the cached copy: a broadcasting out= sub reading
+        # the 16-bit rows was slower than the two, 13 against 11 ms a thread at 8192x4096)
+        xt = buf.upcast("x", rows[sl]).sub_(mean[sl])
         g = buf.upcast("dy", dy_rows[sl])
         dx_c, dw_parts[i], db_parts[i] = torch.ops.aten.native_layer_norm_backward(
             g, xt, [n], zero_mean[sl], rstd[sl], gamma, beta, [True, True, True]
         )
         dx[sl].copy_(dx_c if acc_rows is None else dx_c.add_(acc_rows[sl]))
 
-    count = parallel_chunks(n_rows, (n,), acc, body)
+    # (chunks of twice the usual rows: the kernel's dγ/dβ pass costs per call)
+    count = parallel_chunks(n_rows, (n,), acc, body, chunk_scale=2)
     dw = _reduce_partials(dw_parts, count, n, acc).to(weight.dtype)
     return shaped(dx, x.shape), dw, _reduce_partials(db_parts, count, n, acc).to(x.dtype)
 
