@@ -22,21 +22,38 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 
 import torch
 
-from ._errors import RecipeError, as_int
+from ._errors import RecipeError, _numpy_scalar_kind, as_int
 
 FORWARD_ROLES = ("input", "weight")
 BACKWARD_ROLES = ("grad_output",)
 ROLES = FORWARD_ROLES + BACKWARD_ROLES
 
 
-def _check_amax_epsilon(recipe: str, eps) -> None:
-    # (inf would give every block scale 1, saturating everything; NaN compares false everywhere)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps < math.inf:
-        raise RecipeError(f"functe.{recipe}: amax_epsilon must be a finite number >= 0, got {eps!r}")
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_amax_epsilon(recipe: str, eps) -> float:
+    """``eps`` as a float: a Python or numpy number in ``[0, FLT_MAX]``, else a :class:`RecipeError`."""
+    # (inf would give every block scale 1, saturating everything; NaN compares false everywhere; and
+    # TE's epsilon is a C float: one above FLT_MAX overflowed torch's fp32 clamp, an error naming
+    # nothing, while a Triton kernel read it as inf and scaled every block by 1)
+    number = None
+    if not isinstance(eps, bool) and (isinstance(eps, (int, float)) or _numpy_scalar_kind(eps) in ("i", "u", "f")):
+        try:
+            number = float(eps)
+        except OverflowError:
+            pass
+    if number is None or not 0.0 <= number <= _FP32_MAX:
+        shown = repr(eps)
+        shown = shown if len(shown) <= 40 else f"{shown[:37]}..."
+        raise RecipeError(
+            f"functe.{recipe}: amax_epsilon must be a number >= 0 that fp32 holds (at most {_FP32_MAX:.6g}), "
+            f"got {shown}"
+        )
+    return number
 
 
 class Format(enum.Enum):
@@ -178,7 +195,8 @@ class CurrentScaling(_Recipe):
         _check_format("CurrentScaling", self.fp8_format, (Format.E4M3, Format.HYBRID))
         if not isinstance(self.power_2_scales, bool):
             raise RecipeError(f"functe.CurrentScaling: power_2_scales must be a bool, got {self.power_2_scales!r}")
-        _check_amax_epsilon("CurrentScaling", self.amax_epsilon)
+        # (stored as a float: a numpy scalar reached kernels and hashes as itself)
+        object.__setattr__(self, "amax_epsilon", _check_amax_epsilon("CurrentScaling", self.amax_epsilon))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,16 +227,16 @@ class Float8BlockScaling(_Recipe):
 
     One fp32 scale per block: 1x128 (128 consecutive elements of a row) for inputs and
     gradients, 128x128 for weights. ``scale = fp8_max / max(block_amax, amax_epsilon)``, 1 for an
-    amax of 0, inf or NaN, FLT_MAX instead of inf, and with ``power_2_scales`` (TE's default) the
-    scale is rounded *down* to a power of two. A dimension that is not a multiple of 128 ends in a
-    partial block, quantized as if zero-padded to 128 (TE requires multiples of 128; its reference
-    pads the same way). See ``docs/block_scaling.md``.
+    amax of 0, inf or NaN, the input dtype's largest value instead of inf (TE's block kernels), and
+    with ``power_2_scales`` (TE's default) the scale is rounded *down* to a power of two. A
+    dimension that is not a multiple of 128 ends in a partial block, quantized as if zero-padded to
+    128 (TE requires multiples of 128; its reference pads the same way). See ``docs/block_scaling.md``.
 
     Args:
         fp8_format: ``Format.E4M3`` (default, gradients too) or ``Format.HYBRID`` (E5M2 gradients).
         power_2_scales: power-of-two scales (TE's default); ``False`` keeps plain fp32 scales
             (TE's ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``).
-        amax_epsilon: lower bound of a block's amax (>= 0).
+        amax_epsilon: lower bound of a block's amax (>= 0, at most FLT_MAX).
 
     Example:
         >>> r = Float8BlockScaling()
@@ -235,7 +253,7 @@ class Float8BlockScaling(_Recipe):
         _check_format("Float8BlockScaling", self.fp8_format, (Format.E4M3, Format.HYBRID))
         if not isinstance(self.power_2_scales, bool):
             raise RecipeError(f"functe.Float8BlockScaling: power_2_scales must be a bool, got {self.power_2_scales!r}")
-        _check_amax_epsilon("Float8BlockScaling", self.amax_epsilon)
+        object.__setattr__(self, "amax_epsilon", _check_amax_epsilon("Float8BlockScaling", self.amax_epsilon))
 
     def block_shape(self, role: str) -> tuple[int, int]:
         """``(rows, cols)`` of one scaling block of tensor ``role``: 128x128 for weights, else 1x128."""

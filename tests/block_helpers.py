@@ -55,8 +55,9 @@ def block_amax(blocks: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- FP8 block scaling
 
 
-def te_block_scale(amax: torch.Tensor, fp8_max: float, pow2: bool, eps: float) -> torch.Tensor:
-    """TE's compute_scale_from_amax on float64 amaxes (exact fp32 values), one block at a time."""
+def te_block_scale(amax: torch.Tensor, fp8_max: float, pow2: bool, eps: float, inf_value: float) -> torch.Tensor:
+    """TE's compute_scale_from_amax on float64 amaxes (exact fp32 values), one block at a time;
+    ``inf_value`` replaces an infinite scale (the block kernels': the input dtype's largest value)."""
     out = []
     for a in amax.reshape(-1).tolist():
         a = max(a, eps) if not math.isnan(a) else a
@@ -65,7 +66,7 @@ def te_block_scale(amax: torch.Tensor, fp8_max: float, pow2: bool, eps: float) -
             continue
         s = float(f32(torch.tensor(fp8_max / a, dtype=F64)))
         if math.isinf(s):
-            s = FLT_MAX
+            s = inf_value
         if pow2:
             s = 2.0 ** (math.frexp(s)[1] - 1)
         out.append(s)
@@ -79,7 +80,9 @@ def fp8_block_reference(x: torch.Tensor, block_rows: int, qdtype, *, pow2=True, 
     """
     v = x.to(F64).reshape(-1, x.shape[-1])
     t = tiles(v, block_rows, 128)
-    scale = te_block_scale(block_amax(t), MAX[qdtype], pow2, eps)
+    # (TE's block kernels: inf -> the input type's largest finite value; fp64, which TE has not: FLT_MAX)
+    inf_value = min(torch.finfo(x.dtype).max, FLT_MAX)
+    scale = te_block_scale(block_amax(t), MAX[qdtype], pow2, eps, inf_value)
     scale_inv = f32(1.0 / scale)
     q = round_fp8_ref(f32(t * scale[:, None, :, None]), qdtype)
     deq = q * scale_inv[:, None, :, None]

@@ -98,6 +98,34 @@ def test_fp8_block_128x128_weights(shape):
     assert _bits_equal(qt, q.t().contiguous()) and torch.equal(sinv_t, sinv.t())
 
 
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_block_scale_past_fp32_is_the_input_dtypes_largest_value(dtype, pow2):
+    """A block whose fp8_max / amax overflows fp32 gets the input dtype's largest finite value as its
+    scale (TE's value_for_inf), not FLT_MAX: a zero block with a tiny amax_epsilon, and for bf16/fp32
+    a block of 1e-38; 1x128 and 128x128 blocks, both backends, and the fused norm + block cast."""
+    eps = 1e-40  # (448 / 1e-40 overflows fp32; a zero block's amax becomes eps)
+    x = torch.zeros(3, 384, dtype=dtype)
+    x[:, 256:] = -2.5  # an ordinary block beside them
+    if dtype != torch.float16:
+        x[1, 128:256] = 1e-38
+    expected = torch.finfo(dtype).max if dtype != torch.float32 else torch.finfo(torch.float32).max
+    expected = 2.0 ** math.floor(math.log2(expected)) if pow2 else expected
+    recipe = functe.Float8BlockScaling(power_2_scales=pow2, amax_epsilon=eps)
+    for backend in ("torch", "interpret"):
+        with functe.use_backend(backend):
+            for role, rows in (("input", 1), ("weight", 128)):
+                q, _ = functe.quantize(x, recipe, role=role)
+                ref_q, ref_sinv, _ = fp8_block_reference(x, rows, E4M3, pow2=pow2, eps=eps)
+                what = f"{backend} {role}"
+                assert same_values(q.block_scales, ref_sinv) and same_values(q.data.float(), ref_q), what
+                assert q.block_scales.reshape(-1)[0].item() == torch.tensor(1 / expected).float().item(), what
+            w, b = torch.zeros(384, dtype=dtype), torch.zeros(384, dtype=dtype)  # y = 0: zero blocks
+            y, q, s, _, _ = nbq.NORM_FP8_BLOCK_CAST(x, w, b, 1e-5, "layer", False, E4M3, E4M3, pow2, eps)
+            assert same_values(s, fp8_block_reference(y, 1, E4M3, pow2=pow2, eps=eps)[1]), backend
+            assert (s == torch.tensor(1 / expected).float()).all(), backend
+
+
 def test_fp8_block_special_blocks():
     inf, nan = math.inf, math.nan
     x = torch.zeros(5, 256)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from block_helpers import fp8_block_reference, nvfp4_reference
@@ -36,8 +37,11 @@ def test_recipes_are_frozen_hashable_and_te_defaults():
         (lambda: Float8BlockScaling(fp8_format=Format.E5M2), "pure E5M2"),
         (lambda: Float8BlockScaling(power_2_scales=1), "power_2_scales must be a bool"),
         (lambda: Float8BlockScaling(amax_epsilon=-1.0), "amax_epsilon"),
-        (lambda: Float8BlockScaling(amax_epsilon=float("inf")), "amax_epsilon must be a finite number"),
-        (lambda: functe.CurrentScaling(amax_epsilon=float("nan")), "amax_epsilon must be a finite number"),
+        (lambda: Float8BlockScaling(amax_epsilon=float("inf")), "amax_epsilon must be a number >= 0 that fp32 holds"),
+        (lambda: functe.CurrentScaling(amax_epsilon=float("nan")), "amax_epsilon must be a number >= 0 that fp32"),
+        # (past FLT_MAX: TE's epsilon is a C float; it overflowed torch's fp32 clamp, a Triton kernel read inf)
+        (lambda: Float8BlockScaling(amax_epsilon=1e39), r"\(at most 3.40282e\+38\), got 1e\+39"),
+        (lambda: functe.CurrentScaling(amax_epsilon=10**400), r"got 1000000000000000000000000000000000000\.\.\."),
         (lambda: NVFP4BlockScaling(disable_rht="yes"), "disable_rht must be a bool"),
         (lambda: Float8BlockScaling().block_shape("bias"), "unknown tensor role"),
     ],
@@ -45,6 +49,22 @@ def test_recipes_are_frozen_hashable_and_te_defaults():
 def test_bad_recipes_are_rejected(make, match):
     with pytest.raises(functe.RecipeError, match=match):
         make()
+
+
+def test_amax_epsilon_takes_numpy_numbers_and_fp32s_largest_value():
+    for recipe in (Float8BlockScaling, functe.CurrentScaling):
+        r = recipe(amax_epsilon=np.float32(1e-3))
+        assert type(r.amax_epsilon) is float and r.amax_epsilon == float(np.float32(1e-3))
+        same = recipe(amax_epsilon=float(np.float32(1e-3)))
+        assert r == same and hash(r) == hash(same)
+        assert recipe(amax_epsilon=np.int64(2)).amax_epsilon == 2.0
+    # the largest epsilon fp32 holds: every block's amax is raised to it, its scale 448 / FLT_MAX
+    big = torch.finfo(torch.float32).max
+    scale = torch.tensor(448.0) / torch.tensor(big)  # (fp32 divisions, as the formula rounds)
+    for backend in ("torch", "interpret"):
+        with functe.use_backend(backend):
+            q, _ = functe.quantize(torch.ones(1, 128), Float8BlockScaling(power_2_scales=False, amax_epsilon=big))
+        assert q.block_scales.item() == (torch.tensor(1.0) / scale).item(), backend
 
 
 @pytest.mark.parametrize("role", ["input", "weight", "grad_output"])

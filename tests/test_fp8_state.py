@@ -52,7 +52,7 @@ def test_formats_map_roles_to_dtypes():
         (lambda: DelayedScaling(margin=2000), r"margin must be an int in \[-127, 30\] .*, got 2000"),
         (lambda: DelayedScaling(margin=31), r"a larger margin can round a scale to 0\), got 31"),
         (lambda: DelayedScaling(amax_compute_algo=max), r"amax_compute_algo must be 'max' or 'most_recent'"),
-        (lambda: functe.CurrentScaling(amax_epsilon=-1.0), r"amax_epsilon must be a finite number >= 0"),
+        (lambda: functe.CurrentScaling(amax_epsilon=-1.0), r"amax_epsilon must be a number >= 0 that fp32 holds"),
         (lambda: functe.CurrentScaling(power_2_scales=1), r"power_2_scales must be a bool"),
     ],
 )

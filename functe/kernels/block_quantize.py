@@ -4,7 +4,8 @@ One fp32 scale per block of 1x128 (each row's 128 consecutive values: inputs, gr
 128x128 values (weights). Per block, with ``amax`` its largest magnitude (TE's
 ``compute_scale_from_amax``)::
 
-    scale = fp8_max / max(amax, eps)       (1 if that is 0, inf or NaN; FLT_MAX instead of inf)
+    scale = fp8_max / max(amax, eps)       (1 if that is 0, inf or NaN; instead of inf, the largest
+                                            finite value of the input's dtype, TE's value_for_inf)
     scale = 2^floor(log2(scale))           (with power-of-two scales: the mantissa bits cleared)
     q     = fp8(clamp(v * scale, ±fp8_max)),   scale_inv = 1 / scale
 
@@ -117,12 +118,24 @@ def act_value_ref(x: Tensor, act: str, limit: float, alpha: float, offset: float
 # ----------------------------------------------------------------------------- FP8 block kernel
 
 
+def inf_scale(dtype: torch.dtype) -> float:
+    """What an infinite block scale (a tiny amax) becomes for an input of ``dtype``: its largest
+    finite value, as TE's block kernels (``value_for_inf``, the input type's max), at most FLT_MAX.
+
+    Example:
+        >>> inf_scale(torch.float16), inf_scale(torch.float32) == FLT_MAX
+        (65504.0, True)
+    """
+    return min(torch.finfo(dtype).max, FLT_MAX)
+
+
 @jit
-def fp8_block_scale(amax, eps, MAXV: tl.constexpr, POW2: tl.constexpr):
-    """(scale, scale_inv) of blocks with largest magnitude ``amax`` (TE's compute_scale_from_amax)."""
+def fp8_block_scale(amax, eps, MAXV: tl.constexpr, POW2: tl.constexpr, INF_SCALE: tl.constexpr):
+    """(scale, scale_inv) of blocks with largest magnitude ``amax`` (TE's compute_scale_from_amax);
+    ``INF_SCALE``: :func:`inf_scale` of the input's dtype."""
     a = tl.where(amax < eps, eps, amax)  # NaN stays NaN
     scale = tl.math.div_rn(tl.full(a.shape, MAXV, tl.float32), a)
-    scale = tl.where(scale == float("inf"), FLT_MAX_TL, scale)
+    scale = tl.where(scale == float("inf"), INF_SCALE, scale)
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
     scale = tl.where((a == 0.0) | (a == float("inf")) | (a != a), 1.0, scale)
@@ -178,6 +191,7 @@ def _fp8_block_kernel(
     MIN_NORMAL: tl.constexpr,
     SUB_STEPS: tl.constexpr,
     MAXV: tl.constexpr,
+    INF_SCALE: tl.constexpr,
     DEQUANT: tl.constexpr,
     KEEP: tl.constexpr,
     BLOCK_RB: tl.constexpr,
@@ -198,7 +212,7 @@ def _fp8_block_kernel(
         v = act_value(X, rows * x_row_stride + cols, mask, n_cols, limit, alpha, offset, MODE, ACT, GATED, CLAMPED)
         if KEEP:
             tl.store(H + rows * n_cols + cols, v.to(H.dtype.element_ty), mask=mask)
-        scale, scale_inv = fp8_block_scale(nan_max(nan_max(v, 3), 1), eps, MAXV, POW2)
+        scale, scale_inv = fp8_block_scale(nan_max(nan_max(v, 3), 1), eps, MAXV, POW2, INF_SCALE)
         _fp8_block_store(
             Q, v, rows * n_cols + cols, mask, scale, scale_inv, MANT, BIAS, MIN_NORMAL, SUB_STEPS, MAXV, DEQUANT
         )
@@ -210,7 +224,7 @@ def _fp8_block_kernel(
             v = act_value(X, rows * x_row_stride + cols, mask, n_cols, limit, alpha, offset, MODE, ACT, GATED, CLAMPED)
             part = nan_max(nan_max(v, 3), 1)
             amax = tl.where((part != part) | (part > amax), part, amax)
-        scale, scale_inv = fp8_block_scale(amax, eps, MAXV, POW2)
+        scale, scale_inv = fp8_block_scale(amax, eps, MAXV, POW2, INF_SCALE)
         for r0 in tl.static_range(0, TILE_ROWS, ROW_CHUNK):
             rows = (rb[:, None] * TILE_ROWS + r0 + tl.arange(0, ROW_CHUNK)[None, :])[:, :, None, None]
             mask = (rows < n_rows) & col_ok
@@ -268,6 +282,7 @@ def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_row
         MIN_NORMAL=fmt.min_normal,
         SUB_STEPS=fmt.sub_steps,
         MAXV=fmt.max,
+        INF_SCALE=inf_scale(x.dtype),
         DEQUANT=out_dtype not in FP8_FORMATS,
         KEEP=keep,
         BLOCK_RB=block_rb,
@@ -279,11 +294,13 @@ def _fp8_block_launch(x, act, limit, alpha, offset, qdtype, out_dtype, block_row
 # ----------------------------------------------------------------------------- twins
 
 
-def fp8_block_scale_ref(amax: Tensor, eps: float, fp8_max: float, pow2: bool) -> tuple[Tensor, Tensor]:
-    """Twin of :func:`fp8_block_scale`: (scale, scale_inv) per block, fp32."""
+def fp8_block_scale_ref(
+    amax: Tensor, eps: float, fp8_max: float, pow2: bool, inf_value: float
+) -> tuple[Tensor, Tensor]:
+    """Twin of :func:`fp8_block_scale`: (scale, scale_inv) per block, fp32 (``inf_value``: its ``INF_SCALE``)."""
     a = torch.where(amax < eps, torch.full_like(amax, eps), amax)
     scale = torch.full_like(a, fp8_max) / a  # full_like / tensor: one rounding (see functe._fp8_state)
-    scale = torch.where(scale == float("inf"), torch.full_like(scale, FLT_MAX), scale)
+    scale = torch.where(scale == float("inf"), torch.full_like(scale, inf_value), scale)
     if pow2:
         scale = (scale.view(torch.int32) & -(1 << 23)).view(torch.float32)
     scale = torch.where((a == 0) | ~a.isfinite(), torch.ones_like(scale), scale)
@@ -368,7 +385,7 @@ def _fp8_block_rows(mat, act, limit, alpha, offset, qdtype, out_dtype, block_row
     v = act_value_ref(mat, act, limit, alpha, offset)
     tiles = blocked(v, block_rows, BLOCK)  # [mb, br, kb, 128]
     maxv = FP8_FORMATS[qdtype].max
-    scale, scale_inv = fp8_block_scale_ref(block_amax_ref(tiles), eps, maxv, pow2)
+    scale, scale_inv = fp8_block_scale_ref(block_amax_ref(tiles), eps, maxv, pow2, inf_scale(mat.dtype))
     w = torch.clamp(tiles * scale[:, None, :, None], -maxv, maxv)
     if out_dtype in FP8_FORMATS:
         q = w.to(qdtype)

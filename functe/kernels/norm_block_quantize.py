@@ -38,7 +38,7 @@ from .._kernel import Kernel
 from ._common import as_rows, compute_dtype, tl_compute_dtype
 from ._triton import cdiv, jit
 from .block_quantize import BLOCK as FP8_BLOCK
-from .block_quantize import fp8_block_cast_ref, fp8_block_scale, nan_max
+from .block_quantize import fp8_block_cast_ref, fp8_block_scale, inf_scale, nan_max
 from .norm import (
     _tiling,
     check_norm_bias,
@@ -86,6 +86,7 @@ def _norm_block_cast_kernel(
     MIN_NORMAL: tl.constexpr,
     SUB_STEPS: tl.constexpr,
     MAXV: tl.constexpr,
+    INF_SCALE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -109,7 +110,7 @@ def _norm_block_cast_kernel(
         q = round_e2m1(saturate(v * enc[:, :, None], 6.0)) * s[:, :, None]
         s_out = encode_fp8(s, 3, 7, 0.015625, 512.0)  # the E4M3 block scales, as bits
     else:
-        scale, scale_inv = fp8_block_scale(block_amax, amax_eps, MAXV, POW2)
+        scale, scale_inv = fp8_block_scale(block_amax, amax_eps, MAXV, POW2, INF_SCALE)
         q = round_to_fp8(saturate(v * scale[:, :, None], MAXV), MANT, MIN_NORMAL, SUB_STEPS)
         if BITS:
             q = encode_fp8(q, MANT, BIAS, MIN_NORMAL, SUB_STEPS)
@@ -159,6 +160,7 @@ def _launch(x, weight, bias, amax, eps, kind, zero_centered_gamma, nvfp4, qdtype
         ZERO_CENTERED=zero_centered_gamma,
         NVFP4=nvfp4,
         POW2=pow2,
+        INF_SCALE=inf_scale(x.dtype),  # (y, which the cast reads, has x's dtype)
         **fmt,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
