@@ -76,4 +76,11 @@ def check_scaling_state(op: str, arg: str, state: object) -> ScalingState:
         raise StateError(
             f"functe.{op}: argument '{arg}.amax_history' expected f32[L], got {describe(state.amax_history)}"
         )
+    if state.scale.device != state.amax_history.device:
+        # (an update computes the scale from the history: torch's error named neither, and a meta
+        # scale beside a real history went through without a value)
+        raise StateError(
+            f"functe.{op}: argument '{arg}.scale' is on {state.scale.device}, its amax_history on "
+            f"{state.amax_history.device}: a state's tensors share a device"
+        )
     return state

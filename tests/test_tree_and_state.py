@@ -81,5 +81,14 @@ def test_check_scaling_state_errors():
         check_scaling_state("op", "state", dataclasses.replace(good, amax_history=torch.zeros(2, 2)))
     with pytest.raises(functe.StateError, match=r"expected a ScalingState, got dict"):
         check_scaling_state("op", "state", {"scale": good.scale})
+    split = dataclasses.replace(good, scale=torch.ones((), device="meta"))
+    with pytest.raises(functe.StateError, match=r"'state\.scale' is on meta, its amax_history on cpu"):
+        check_scaling_state("op", "state", split)
+    recipe = functe.DelayedScaling(amax_history_len=4)
+    with pytest.raises(functe.StateError, match=r"functe\.delayed_scaling_update: argument 'state\.scale' is on meta"):
+        functe.delayed_scaling_update(split, torch.tensor(1.0), recipe=recipe, role="input")
+    linear_state = dataclasses.replace(functe.init_linear_scaling_state(recipe), weight=split)
+    with pytest.raises(functe.StateError, match=r"functe\.share_state: argument 'state\.weight\.scale' is on meta"):
+        functe.share_state(linear_state, 2, recipe=recipe)
     with pytest.raises(functe.StateError, match=r"history_len must be an int >= 1, got 0"):
         functe.init_scaling_state(0)
