@@ -11,6 +11,7 @@ takes ~0.5-5 s). Numerics on a GPU remain untested (``docs/block_scaling.md``).
 from __future__ import annotations
 
 import pytest
+import torch
 import triton
 import triton.language as tl
 from codegen_helpers import HAVE_PTXAS, ASTSource, GPUTarget
@@ -42,7 +43,8 @@ _FP8_ARGS = {
 }
 _FP8_CONST = dict(
     MODE=0, ACT=0, GATED=False, CLAMPED=False, TILE_ROWS=1, ROW_CHUNK=1, POW2=True, MANT=3, BIAS=7,
-    MIN_NORMAL=2.0**-6, SUB_STEPS=512.0, MAXV=448.0, DEQUANT=False, KEEP=False, BLOCK_RB=8, BLOCK_CB=2,
+    MIN_NORMAL=2.0**-6, SUB_STEPS=512.0, MAXV=448.0, INF_SCALE=bq.inf_scale(torch.bfloat16), DEQUANT=False,
+    KEEP=False, BLOCK_RB=8, BLOCK_CB=2,
 )  # fmt: skip
 _NV_ARGS = {
     "X": "*bf16",
@@ -81,7 +83,8 @@ _NORM_ARGS = {
 }
 _NORM_CONST = dict(
     CENTER=True, HAS_B=True, ZERO_CENTERED=False, NVFP4=False, POW2=True, MANT=3, BIAS=7, MIN_NORMAL=2.0**-6,
-    SUB_STEPS=512.0, MAXV=448.0, BITS=True, BLOCK_R=4, BLOCK_N=1024, CB=128, COMPUTE=tl.float32,
+    SUB_STEPS=512.0, MAXV=448.0, INF_SCALE=bq.inf_scale(torch.bfloat16), BITS=True, BLOCK_R=4, BLOCK_N=1024,
+    CB=128, COMPUTE=tl.float32,
 )  # fmt: skip
 
 VARIANTS = {
