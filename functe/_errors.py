@@ -215,26 +215,41 @@ def check_callable(op: str, arg: str, value: Any) -> Any:
 def check_number(op: str, arg: str, value: Any, *, finite: bool = True, minimum: float | None = None) -> float:
     """``value`` as a float if it is a Python or numpy number (not a bool) that a float holds
     (``10**400`` is not), finite unless ``finite=False`` and at least ``minimum``; else an :class:`ArgumentError`."""
-    number = None
+    number = as_float(value)
+    if number is not None and (finite or minimum is not None):
+        # (specialised under torch.compile, as kernels' static_float: Dynamo made a float
+        # symbolic under dynamic=True or once it changed between calls, and math.isfinite of
+        # a symbolic float broke the graph, which fullgraph=True refused: layer_norm's eps. A
+        # value no check reads, constant_scale's, stays symbolic: one graph for every scale)
+        number = float.fromhex(number.hex())
+    kind = ("a finite Python number" if finite else "a Python number") + ("" if minimum is None else f" >= {minimum:g}")
+    if number is None or (finite and not math.isfinite(number)) or (minimum is not None and not number >= minimum):
+        raise ArgumentError(f"{_where(op, arg)} expected {kind}, got {shown_number(value)}")
+    return number
+
+
+def as_float(value: Any) -> float | None:
+    """``value`` as a float if it is a Python or numpy number (not a bool) that a float holds
+    (``10**400`` is not), else None.
+
+    Example:
+        >>> as_float(3), as_float(True), as_float(10**400)
+        (3.0, None, None)
+    """
     python_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if python_number or _numpy_scalar_kind(value) in ("i", "u", "f"):
         try:
-            number = float(value)
+            return float(value)
         except OverflowError:
-            pass
-        else:
-            if finite or minimum is not None:
-                # (specialised under torch.compile, as kernels' static_float: Dynamo made a float
-                # symbolic under dynamic=True or once it changed between calls, and math.isfinite of
-                # a symbolic float broke the graph, which fullgraph=True refused: layer_norm's eps. A
-                # value no check reads, constant_scale's, stays symbolic: one graph for every scale)
-                number = float.fromhex(number.hex())
-    kind = ("a finite Python number" if finite else "a Python number") + ("" if minimum is None else f" >= {minimum:g}")
-    if number is None or (finite and not math.isfinite(number)) or (minimum is not None and not number >= minimum):
-        shown = repr(value) if isinstance(value, (int, float, str)) or _numpy_scalar_kind(value) else describe(value)
-        shown = shown if len(shown) <= 40 else f"{shown[:37]}..."
-        raise ArgumentError(f"{_where(op, arg)} expected {kind}, got {shown}")
-    return number
+            return None
+    return None
+
+
+def shown_number(value: Any) -> str:
+    """How an error shows a value that should have been a number: its repr (a number's or a
+    string's), else :func:`describe`, cut to 40 characters (``10**400`` has 401 digits)."""
+    shown = repr(value) if isinstance(value, (int, float, str)) or _numpy_scalar_kind(value) else describe(value)
+    return shown if len(shown) <= 40 else f"{shown[:37]}..."
 
 
 def check_same_device(op: str, tensors: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ import enum
 
 import torch
 
-from ._errors import RecipeError, _numpy_scalar_kind, as_int
+from ._errors import RecipeError, as_float, as_int, shown_number
 
 FORWARD_ROLES = ("input", "weight")
 BACKWARD_ROLES = ("grad_output",)
@@ -40,18 +40,11 @@ def _check_amax_epsilon(recipe: str, eps) -> float:
     # (inf would give every block scale 1, saturating everything; NaN compares false everywhere; and
     # TE's epsilon is a C float: one above FLT_MAX overflowed torch's fp32 clamp, an error naming
     # nothing, while a Triton kernel read it as inf and scaled every block by 1)
-    number = None
-    if not isinstance(eps, bool) and (isinstance(eps, (int, float)) or _numpy_scalar_kind(eps) in ("i", "u", "f")):
-        try:
-            number = float(eps)
-        except OverflowError:
-            pass
+    number = as_float(eps)
     if number is None or not 0.0 <= number <= _FP32_MAX:
-        shown = repr(eps)
-        shown = shown if len(shown) <= 40 else f"{shown[:37]}..."
         raise RecipeError(
             f"functe.{recipe}: amax_epsilon must be a number >= 0 that fp32 holds (at most {_FP32_MAX:.6g}), "
-            f"got {shown}"
+            f"got {shown_number(eps)}"
         )
     return number
 
