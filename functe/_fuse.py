@@ -315,13 +315,16 @@ def _is_float_var(a) -> bool:
 class _Liveness:
     """Which vars carry cotangents and which backward steps (and so residuals) are needed."""
 
-    def __init__(self, program: OpList, joint: OpList, backward: OpList, wanted: frozenset | None = None):
-        # wanted: the inputs whose gradients are asked for (None: every float input)
+    def __init__(
+        self, program: OpList, joint: OpList, backward: OpList, wanted: frozenset | None = None, outside=frozenset()
+    ):
+        # wanted: the inputs whose gradients are asked for (None: every float input); outside: the
+        # output positions built outside the fused op (see _outside_outputs), which get no cotangent
         needs = {v for v in program.inputs if v.dtype.is_floating_point and (wanted is None or v in wanted)}
         for e in joint.eqns:
             if any(isinstance(a, Var) and a in needs for a in e.inputs):
                 needs.update(v for v in e.outputs if _is_float_var(v))
-        has = {a for a in program.outputs if _is_float_var(a) and a in needs}
+        has = {a for k, a in enumerate(program.outputs) if _is_float_var(a) and a in needs and k not in outside}
 
         def wanted_step(e: Eqn) -> bool:
             return any(isinstance(a, Var) and a in needs for a in e.inputs)
@@ -402,10 +405,66 @@ def _dead_after(program: OpList, forward: OpList) -> list[list[Var]]:
     return dead
 
 
+def _outside_outputs(program: OpList) -> dict[int, tuple[int, tuple]]:
+    """Output positions the fused op leaves out and its caller builds from its other outputs:
+    ``{position: (source position, shapes)}``, the source reshaped by each of ``shapes`` in turn.
+
+    They are the outputs that alias another output in the unfused function: one returned twice
+    (``return y, y``) and the reshapes of an output that no op reads (``y, y.reshape(...)``).
+    Returned by an autograd.Function, the second of two aliases is a view of the first that
+    autograd forbids writing to ("Output 1 of ... is a view and its base ... has been modified
+    inplace"), where the unfused function returns the same tensor, or a view torch's own view op
+    made; built outside, they are the same objects and views. Left inside: a reshape an op reads
+    (it may be a residual) and a reshape of an input. (An input returned stays an output of the
+    Function too, a view of the input: its gradient then adds the output's cotangent in the order
+    the unfused graph does.)
+    """
+    from .ops._core import _reshape  # (functe.ops imports this module's callers; imported late)
+
+    producer = {v: e for e in program.eqns for v in e.outputs if v is not None}
+    consumed = {a for e in program.eqns for a in e.inputs if isinstance(a, Var)}
+    first: dict[Var, int] = {}  # each variable's first position
+    for k, a in enumerate(program.outputs):
+        if isinstance(a, Var) and a not in first:
+            first[a] = k
+    inputs = set(program.inputs)
+    # (a chain ends at a variable no reshape made: one in `first` is a Function output)
+    chains = {
+        a: chain
+        for a in first
+        if a not in consumed
+        and (chain := _reshape_chain(a, producer, _reshape)) is not None
+        and chain[0] in first
+        and chain[0] not in inputs
+    }
+    outside: dict[int, tuple[int, tuple]] = {}
+    for k, a in enumerate(program.outputs):
+        if not isinstance(a, Var):
+            continue
+        if first[a] != k:  # a repeat: the same object as the first position's
+            outside[k] = (first[a], ())
+        elif a in chains:
+            source, shapes = chains[a]
+            outside[k] = (first[source], shapes)
+    return outside
+
+
+def _reshape_chain(v: Var, producer: dict, reshape_op) -> tuple[Var, tuple] | None:
+    """``(source, shapes)`` when ``v`` is ``source`` reshaped by ``shapes`` in turn, else None."""
+    shapes: list = []
+    while (e := producer.get(v)) is not None and e.op is reshape_op:
+        shapes.append(e.params["shape"])
+        v = e.inputs[0]
+        if not isinstance(v, Var):
+            return None
+    return (v, tuple(reversed(shapes))) if shapes else None
+
+
 def _generate(
-    program: OpList, forward: OpList, live: _Liveness, input_labels: Callable[[], list[str]]
+    program: OpList, forward: OpList, live: _Liveness, input_labels: Callable[[], list[str]], outside: dict
 ) -> tuple[str, dict]:
-    """Python source of ``infer``, ``forward`` and ``backward`` for a plan, and its globals."""
+    """Python source of ``infer``, ``forward``, ``backward`` and ``with_constants`` for a plan, and
+    its globals; ``outside``: see _outside_outputs."""
     em = _Emitter()
     res_names = {e: f"r{i}" for i, e in enumerate(live.residuals)}
     inputs = ", ".join(em.var(v) for v in program.inputs)
@@ -443,8 +502,11 @@ def _generate(
             return em.pack([_output(em, a) for a in program.outputs], program.out_tree)
         # Inside the Function: constants (a captured tensor the program returns) are left out and put
         # back by the caller (with_constants, below): as outputs of the Function, autograd would give
-        # the caller's own tensor a grad_fn. Variables go through _distinct (see there).
-        items = [em.atom(a) if isinstance(a, Var) else "None" for a in program.outputs]
+        # the caller's own tensor a grad_fn. So are the outputs built outside (see
+        # _outside_outputs). Variables go through _distinct (see there).
+        items = [
+            em.atom(a) if isinstance(a, Var) and k not in outside else "None" for k, a in enumerate(program.outputs)
+        ]
         if any(isinstance(a, Var) for a in program.outputs):
             em.emit(f"_out = _distinct(({''.join(i + ', ' for i in items)}), ({inputs}{',' if inputs else ''}))")
             items = [f"_out[{k}]" for k in range(len(items))]
@@ -458,7 +520,7 @@ def _generate(
     _pruned_residuals(em, live, res_names)
     residuals = "".join(f"{res_names[e]}, " for e in live.residuals)
     em.emit(f"return {outputs(in_function=True)}, ({residuals})")
-    _generate_backward(em, program, live, res_names, input_labels)
+    _generate_backward(em, program, live, res_names, input_labels, outside)
     # The backward rule of the fused op. Under create_graph / torch.func the backward plan runs as
     # one differentiable op; a plain first-order backward (grad mode off) and compiled code run it
     # directly. (Generated rather than a closure: Dynamo cannot rebuild a closure over an op object,
@@ -467,9 +529,10 @@ def _generate(
     em.emit("if torch.is_grad_enabled() and not torch.compiler.is_compiling():")
     em.emit("    return _backward_op(res, cts)")
     em.emit("return backward(res, cts)")
-    # The outputs of the fused op with the constants it left out put back (see outputs()).
+    # The outputs of the fused op with the constants and the outside outputs it left out put back
+    # (see outputs()); the latter in position order, after the kept ones they may be built from.
     em.lines.append("def with_constants(out):")
-    if all(isinstance(a, Var) for a in program.outputs):
+    if all(isinstance(a, Var) for a in program.outputs) and not outside:
         em.emit("return out")
     else:
         if program.out_tree != LEAF:
@@ -478,12 +541,23 @@ def _generate(
             (("out" if program.out_tree == LEAF else f"out[{k}]") if isinstance(a, Var) else _output(em, a))
             for k, a in enumerate(program.outputs)
         ]
+        for j in sorted({s for s, _ in outside.values()} - set(outside)):
+            em.emit(f"_o{j} = {items[j]}")  # (a kept output an outside one is built from)
+            items[j] = f"_o{j}"
+        for k, (source, shapes) in sorted(outside.items()):
+            em.emit(f"_o{k} = _o{source}{''.join(f'.reshape({em.literal(shape)})' for shape in shapes)}")
+            items[k] = f"_o{k}"
         em.emit(f"return {em.pack(items, program.out_tree)}")
     return "\n".join(em.lines) + "\n", em.globals
 
 
 def _generate_backward(
-    em: _Emitter, program: OpList, live: _Liveness, res_names: dict[Eqn, str], input_labels: Callable[[], list[str]]
+    em: _Emitter,
+    program: OpList,
+    live: _Liveness,
+    res_names: dict[Eqn, str],
+    input_labels: Callable[[], list[str]],
+    outside: dict,
 ) -> None:
     em.lines.append("def backward(res, cts):")
     if res_names:
@@ -511,7 +585,7 @@ def _generate_backward(
     if program.out_tree != LEAF:
         em.emit(f"cts = {em.leaves(program.out_tree, 'cts')}")
     for j, a in enumerate(program.outputs):
-        if isinstance(a, Var) and a in live.needs:
+        if isinstance(a, Var) and a in live.needs and j not in outside:  # (outside: no cotangent, see there)
             accumulate(a, "cts" if program.out_tree == LEAF else f"cts[{j}]")
     for e in live.live:
         # A step none of whose output cotangents is known to exist runs only if one does (at run
@@ -629,6 +703,7 @@ class Plan:
         self.stats = {"joint": joint_stats, "forward": forward_stats, "backward": backward_stats}
         # Whether any output depends on an input (else there is nothing to differentiate: infer runs).
         self.differentiable = any(isinstance(a, Var) for a in program.outputs)
+        self.outside = _outside_outputs(program)  # (outputs aliasing others or inputs, see there)
         self._variants: dict[tuple[bool, ...] | None, _Variant] = {}
         # What the trace took as constants but may start requiring grad later (see check_captured).
         self._captured = [
@@ -818,12 +893,12 @@ class _Variant:
     def __init__(self, plan: Plan, needs_grad: tuple[bool, ...] | None):
         program, name = plan.program, plan.name
         wanted = None if needs_grad is None else frozenset(v for v, n in zip(program.inputs, needs_grad) if n)
-        self.liveness = _Liveness(program, plan.joint, plan.backward, wanted)
+        self.liveness = _Liveness(program, plan.joint, plan.backward, wanted, frozenset(plan.outside))
         # opaque ops whose backward step does not run: their forward, inside the node, hides what
         # they capture from autograd (see Plan.check_captured)
         owners = {o for e in self.liveness.live for o in _owners(e)}
         self.dead_opaque = [e for e in plan._opaque_eqns if e not in owners]
-        self.source, namespace = _generate(program, plan.forward, self.liveness, plan.input_labels)
+        self.source, namespace = _generate(program, plan.forward, self.liveness, plan.input_labels, plan.outside)
         filename = f"<functe.fuse {name} #{next(_plan_numbers)}>"
         linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
         # (tracebacks show the plan's lines while it lives; the entry goes with it: a function fused
@@ -869,13 +944,14 @@ class _Variant:
             plan.input_labels,
             second_order,
         )
-        if not all(isinstance(a, Var) for a in program.outputs):
+        if not all(isinstance(a, Var) for a in program.outputs) or plan.outside:
             self.eager = lambda *tensors: self.with_constants(eager(*tensors))
         else:
             self.eager = eager
 
     def run_op(self, *tensors):
-        """The custom_vjp op on these tensors, constants put back (torch.func and compiled calls)."""
+        """The custom_vjp op on these tensors, constants and outside outputs put back (torch.func and
+        compiled calls)."""
         return self.with_constants(self.op(*tensors))
 
 

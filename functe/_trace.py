@@ -1303,7 +1303,14 @@ def _torch_add(a, b, *, alpha=1):
     return _add(a, b)
 
 
+def _bool_as_float(value):
+    """A Python bool as the number torch promotes it to against a float tensor (``x * True`` is
+    ``x * 1.0``); anything else as it is."""
+    return float(value) if isinstance(value, bool) else value
+
+
 def _scale(x, s):
+    s = _bool_as_float(s)
     _integer_arithmetic("*", x, s)
     if not (isinstance(x, Tensor) and _is_number(s)):
         raise TraceError(
@@ -1314,10 +1321,11 @@ def _scale(x, s):
 
 
 def _mul(a, b):
-    return _scale(b, a) if _is_number(a) else _scale(a, b)
+    return _scale(b, a) if _is_number(_bool_as_float(a)) else _scale(a, b)
 
 
 def _div(a, b):
+    b = _bool_as_float(b)
     if not _is_number(b):
         raise TraceError(f"functe.trace: {describe(a)} / {describe(b)}: only division by a Python number is recorded")
     # x / ±0 is x · ±inf elementwise (±inf, or NaN for x = 0), as torch computes it

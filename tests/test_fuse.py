@@ -938,6 +938,82 @@ def test_pytree_outputs_passthrough_and_repeated_outputs():
     assert_close(gw, 3 * torch.ones(4, 2, dtype=F64) @ x)
 
 
+def _aliases_unread(x, w):
+    y = ops.gelu(ops.linear(x, w))
+    return {"y": y, "again": y, "flat": y.reshape(-1), "x": x, "xv": x.reshape(-1)}
+
+
+def _aliasing_outputs(x, w):
+    out = _aliases_unread(x, w)
+    read = out["y"].reshape(2, -1)  # read by an op: it stays an output of the fused op
+    return {**out, "read": read, "g": ops.gelu(read)}
+
+
+def _aliases(out: dict) -> tuple:
+    """Which of y's outputs are the same object, and which output each is a view of (by key)."""
+    keys = ("again", "flat", "y")
+    same = tuple((a, b) for a in keys for b in keys if a < b and out[a] is out[b])
+    bases = tuple(next((k for k in keys if out[a]._base is out[k]), "?" if out[a]._is_view() else None) for a in keys)
+    return same, bases
+
+
+def test_outputs_aliasing_each_other_are_the_unfused_objects_and_views():
+    # An autograd.Function returned the second of two aliases as a view of the first, which autograd
+    # forbids writing to: an in-place op on one then differentiating raised "Output 1 of fused_g_eager
+    # is a view and its base ... has been modified inplace" where the unfused function gives the
+    # gradient. Such outputs are now built outside the fused op from its others.
+    fused = functe.fuse(_aliasing_outputs)
+    plan = fused.plan(make((4, 3)), make((5, 3)))
+    positions = {k: i for i, k in enumerate(sorted(_aliasing_outputs(make((4, 3)), make((5, 3)))))}
+    # (optree flattens a dict in key order: "again" is the first of y's two positions, "y" the
+    # repeat; an input, its reshape and a reshape an op reads stay outputs of the fused op)
+    assert plan.outside == {positions["flat"]: (positions["again"], ((-1,),)), positions["y"]: (positions["again"], ())}
+    x0, w0 = make((4, 3), F64), make((5, 3), F64)
+    for mode in ("no_grad", "grad", "inplace"):
+        results = []
+        # (in place: a y that gelu(read) saves would make the one fused node refuse the write)
+        unfused = _aliases_unread if mode == "inplace" else _aliasing_outputs
+        for fn in (unfused, functe.fuse(unfused)):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            with torch.set_grad_enabled(mode != "no_grad"):
+                out = fn(x, w)
+            aliases = _aliases(out)
+            if mode == "no_grad":
+                results.append((aliases, out["x"] is x))
+                continue
+            if mode == "inplace":
+                out["y"].mul_(3.0)  # reaches "again" and "flat" through the alias and the view
+            loss = sum((i + 1) * out[k].pow(2).sum() for i, k in enumerate(sorted(out)))
+            results.append((aliases, torch.autograd.grad(loss, (x, w))))
+        (eager_aliases, eager_rest), (fused_aliases, fused_rest) = results
+        assert fused_aliases == eager_aliases == ((("again", "y"),), (None, "again", None)), mode
+        if mode == "no_grad":
+            assert eager_rest and fused_rest
+        else:
+            for a, b in zip(eager_rest, fused_rest):
+                assert_close(b, a)
+
+
+def test_outside_outputs_under_torch_func_and_compile():
+    fused = functe.fuse(_aliasing_outputs)
+    x, w = make((4, 3), F64), make((5, 3), F64)
+
+    def loss(fn):
+        return lambda x, w: sum((i + 1) * t.pow(2).sum() for i, t in enumerate(functe.tree_leaves(fn(x, w))))
+
+    for a, b in zip(torch.func.grad(loss(_aliasing_outputs), (0, 1))(x, w), torch.func.grad(loss(fused), (0, 1))(x, w)):
+        assert_close(b, a)
+    xs = make((3, 4, 3), F64)
+    expected = torch.func.vmap(torch.func.grad(loss(_aliasing_outputs)), (0, None))(xs, w)
+    assert_close(torch.func.vmap(torch.func.grad(loss(fused)), (0, None))(xs, w), expected)
+    compiled = torch.compile(fused, backend="aot_eager")
+    xr = x.clone().requires_grad_()
+    out = compiled(xr, w)
+    assert out["again"] is out["y"] and out["flat"]._base is out["y"]
+    expected = torch.func.grad(loss(_aliasing_outputs))(x, w)
+    assert_close(torch.autograd.grad(loss(lambda *_: out)(xr, w), xr)[0], expected)
+
+
 def test_only_residuals_of_live_backward_steps_are_kept():
     def fn(x, w1, w2):
         unused = ops.linear(x, w2)  # its backward never runs: no residuals kept for it

@@ -132,6 +132,19 @@ def test_division_by_a_constant_whose_inverse_is_not_normal_is_refused(dtype, c)
     assert torch.equal(functe.fuse(lambda x: x / 1e-30)(x), x * (1.0 / 1e-30))  # (normal: recorded)
 
 
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_bool_scalar_scales_as_torch_promotes_it(flag):
+    # torch computes x * True as x * 1.0 (and x / False as x / 0.0); the trace refused a bool scalar
+    x = torch.tensor([1.5, -2.0, 0.0, float("inf"), float("nan")], requires_grad=True)
+    programs = [lambda x, s: x * s, lambda x, s: s * x, lambda x, s: x / s, lambda x, s: torch.mul(x, s) - x]
+    for fn in programs:
+        fused, eager = functe.fuse(fn)(x, flag), fn(x, flag)
+        assert torch.equal(fused.nan_to_num(7.0), eager.nan_to_num(7.0))
+        grads = [torch.autograd.grad(y.sum(), x)[0].nan_to_num(7.0) for y in (fused, eager)]
+        assert torch.equal(*grads)
+    assert f"constant_scale[scale={float(flag)}] a" in str(functe.trace(programs[0])(x, flag))
+
+
 def test_public_op_validation_still_applies_while_tracing():
     with pytest.raises(functe.ShapeError, match=r"'weight' expected f32\[\?,3\], got f32\[4,5\]"):
         functe.trace(lambda x, w: ops.linear(x, w))(torch.zeros(2, 3), torch.zeros(4, 5))
