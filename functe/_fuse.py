@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import decimal
 import functools
 import inspect
 import itertools
@@ -1534,25 +1535,48 @@ class Fused:
 
 
 class _Bits(str):
-    """A floating static leaf's key: its hex bits (told apart from a ``str`` subclass's value, an
-    ``np.str_`` or a ``StrEnum``, whose key also holds a string under another type)."""
+    """A static leaf's key text where its value cannot be its key (see _static_key): a float's hex
+    bits, ... (told apart from a ``str`` subclass's value, an ``np.str_`` or a ``StrEnum``, whose
+    key also holds a string under another type); ``shown``: the value, for messages."""
+
+    shown: str | None = None
+
+
+def _bits(text: str, value: Any) -> _Bits:
+    key = _Bits(text)
+    key.shown = repr(value)
+    return key
 
 
 def _shown(entry: tuple) -> str:
     """A static leaf's key entry as the value it stands for (floats are keyed by their hex bits)."""
     _, value = entry
-    return repr(float.fromhex(value)) if isinstance(value, _Bits) else repr(value)
+    if isinstance(value, _Bits):
+        return value.shown or repr(float.fromhex(value))
+    return repr(value)
 
 
 def _static_key(x: Any) -> tuple:
-    """The cache key of a static leaf: its type and value, floating values by their bits (a float
-    subclass such as ``np.float64``, and numpy's other binary floats, compare -0.0 == 0.0 too)."""
+    """The cache key of a static leaf: its type and value, with the values that ``==`` calls equal
+    but a function can tell apart kept apart: floating values by their bits (``-0.0 == 0.0``; also
+    a float subclass such as ``np.float64``), complex numbers by both parts' bits, numpy's other
+    floating and complex scalars by their bytes (``np.longdouble``: ``float()`` would round it),
+    decimals by their text (``Decimal('-0') == 0``), and a frozenset by its elements' keys.
+    """
     if isinstance(x, float):
         return (type(x), _Bits(float(x).hex()))
+    if isinstance(x, complex):
+        return (type(x), _bits(f"{x.real.hex()} {x.imag.hex()}", x))
     kind = getattr(getattr(x, "dtype", None), "kind", None)
     numpy_scalar = type(x).__module__ == "numpy" and type(x).__name__ != "ndarray"  # (an array is unhashable)
     if kind == "f" and numpy_scalar and x.dtype.itemsize <= 8:  # (float() is exact; the type keys the dtype)
         return (type(x), _Bits(float(x).hex()))
+    if kind in ("f", "c") and numpy_scalar:
+        return (type(x), _bits(x.tobytes().hex(), x))
+    if isinstance(x, decimal.Decimal):
+        return (type(x), _bits(str(x), x))
+    if isinstance(x, frozenset):
+        return (type(x), _bits(" ".join(sorted(repr(_static_key(e)) for e in x)), x))
     return (type(x), x)
 
 

@@ -137,15 +137,18 @@ class Tracer(Tensor):
         rule = _TRANSLATIONS.get(func) if _active is not None else None
         if rule is None:
             raise _unsupported(func, args, kwargs)
+        positional, keywords = _operands_by_position(func, args, kwargs)
         try:
-            return rule(*args, **kwargs)
+            return rule(*positional, **keywords)
         except FuncteError as e:
             if isinstance(e, TypeError):
                 # (torch's operator methods turn a TypeError into NotImplemented: the message would be lost)
                 raise TraceError(f"functe.trace: {_func_name(func)}: {e}") from e
             raise
         except (TypeError, ValueError) as e:  # arguments the translation does not take (torch's own kwargs...)
-            raise _unsupported(func, args, kwargs, f" ({e})") from e
+            # (without the translation's own name: "got an unexpected keyword argument 'out'")
+            why = str(e).split("() ", 1)[1] if "() " in str(e) else str(e)
+            raise _unsupported(func, args, kwargs, f" ({why})") from e
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -176,6 +179,19 @@ def shape_only(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     return _ShapeOnly(shape, dtype, device)
 
 
+def _operands_by_position(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An arithmetic call's operands given by torch's keyword names (``x.add(other=y)``,
+    ``torch.add(input=x, other=y)``) moved to their positions, as the translations take them."""
+    if func not in _BINARY or not ("input" in kwargs or "other" in kwargs):
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    if not args and "input" in kwargs:
+        args.append(kwargs.pop("input"))
+    if len(args) == 1 and "other" in kwargs:
+        args.append(kwargs.pop("other"))
+    return tuple(args), kwargs
+
+
 def _func_name(func) -> str:
     name = torch.overrides.resolve_name(func)
     if name is None:
@@ -201,6 +217,8 @@ def _unsupported(func, args, kwargs=None, why: str = "") -> TraceError:
 
 def _shown_kwarg(value: Any) -> str:
     """A keyword argument in a message: a number, flag or name as itself (``dim=-1``, not ``dim=int``)."""
+    if isinstance(value, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(value)  # (torch.channels_last, not "memory_format")
     return repr(value) if value is None or isinstance(value, (bool, int, float, str)) else describe(value)
 
 
@@ -1298,9 +1316,15 @@ def _add(a, b):
 
 
 def _torch_add(a, b, *, alpha=1):
-    if alpha != 1:
+    _check_alpha(alpha)
+    if alpha != 1 and isinstance(b, Tensor):  # (else _add names the operands the caller wrote)
         b = _scale(b, alpha)
     return _add(a, b)
+
+
+def _check_alpha(alpha) -> None:
+    if isinstance(alpha, bool):  # (torch refuses it for a float result; as a scale it would be 1 or 0)
+        raise TraceError(f"functe.trace: alpha={alpha!r}: a boolean alpha is only supported for boolean results")
 
 
 def _bool_as_float(value):
@@ -1324,7 +1348,9 @@ def _mul(a, b):
     return _scale(b, a) if _is_number(_bool_as_float(a)) else _scale(a, b)
 
 
-def _div(a, b):
+def _div(a, b, *, rounding_mode=None):
+    if rounding_mode is not None:  # (named with the call by __torch_function__)
+        raise TypeError(f"rounding_mode={rounding_mode!r}: only true division is recorded")
     b = _bool_as_float(b)
     if not _is_number(b):
         raise TraceError(f"functe.trace: {describe(a)} / {describe(b)}: only division by a Python number is recorded")
@@ -1344,6 +1370,7 @@ def _div(a, b):
 
 
 def _sub(a, b, *, alpha=1):
+    _check_alpha(alpha)
     _check_subtraction(a, b)
     return _add(a, _scale(b, -float(alpha)))
 
@@ -1381,13 +1408,34 @@ def _linear(input, weight, bias=None):  # (torch's parameter names: F.linear(inp
     return _ops().linear(input, weight, bias)
 
 
-def _same(x, *args, **kwargs):
+def _same(x):
     return x
+
+
+def _contiguous(x, memory_format=torch.contiguous_format):
+    """``x.contiguous()``: a traced value is contiguous (see docs/fusion.md), so it records nothing;
+    another memory format would change the layout, which an op list does not track."""
+    if memory_format not in (torch.contiguous_format, torch.preserve_format):
+        raise _unsupported(Tensor.contiguous, (x,), {"memory_format": memory_format}, " (only the contiguous format)")
+    return x
+
+
+def _cast_method(dtype: torch.dtype) -> Callable:
+    """``x.float()`` and its kind: ``x.to(dtype)``; the default memory format keeps the layout."""
+
+    def cast(x, memory_format=torch.preserve_format):
+        if memory_format is not torch.preserve_format:
+            raise _unsupported(Tensor.to, (x, dtype), {"memory_format": memory_format}, " (only preserve_format)")
+        return _to(x, dtype)
+
+    return cast
 
 
 def _dropout_off(input, p=0.5, training=True, inplace=False):
     """``F.dropout`` that is the identity (``nn.Dropout`` in eval mode, ``p = 0``); one that drops is
     refused (its draw would happen once, at trace time: functe.ops.dropout takes a seed)."""
+    if p < 0 or p > 1:  # (torch's check, before anything else)
+        raise TraceError(f"functe.trace: F.dropout: dropout probability has to be between 0 and 1, but got {p}")
     if training and p != 0:
         raise TypeError("dropout in training draws random numbers: use functe.ops.dropout(x, p, seed=...)")
     return input
@@ -1448,15 +1496,18 @@ _TRANSLATIONS: dict[Any, Callable] = {
     T.view: _reshape,
     torch.reshape: _torch_reshape,
     torch.nn.functional.linear: _linear,
-    T.contiguous: _same,
+    T.contiguous: _contiguous,
     torch.nn.functional.dropout: _dropout_off,
     T.to: _to,
-    T.float: lambda x: _to(x, torch.float32),
-    T.half: lambda x: _to(x, torch.float16),
-    T.bfloat16: lambda x: _to(x, torch.bfloat16),
-    T.double: lambda x: _to(x, torch.float64),
+    T.float: _cast_method(torch.float32),
+    T.half: _cast_method(torch.float16),
+    T.bfloat16: _cast_method(torch.bfloat16),
+    T.double: _cast_method(torch.float64),
     T.type_as: lambda x, other: _to(x, other.dtype),
 }
+
+# The arithmetic whose operands torch also takes by keyword (input=, other=; see _operands_by_position)
+_BINARY = {T.add, torch.add, T.sub, torch.sub, T.mul, torch.mul, T.div, torch.div}
 
 # Queries that read metadata only: answered by the wrapper tensor itself.
 _METADATA = {
@@ -1485,6 +1536,27 @@ _METADATA = {
     T._version.__get__,
     T.is_sparse.__get__,
     T.is_quantized.__get__,
+    T.is_cpu.__get__,
+    T.is_xpu.__get__,
+    T.is_mps.__get__,
+    T.is_xla.__get__,
+    T.is_ipu.__get__,
+    T.is_maia.__get__,
+    T.is_mtia.__get__,
+    T.is_vulkan.__get__,
+    T.is_mkldnn.__get__,
+    T.is_nested.__get__,
+    T.is_sparse_csr.__get__,
+    T.itemsize.__get__,
+    T.nbytes.__get__,
+    T.is_signed,
+    T.is_conj,
+    T.is_neg,
+    T.ndimension,
+    T.nelement,
+    torch.numel,
+    torch.is_floating_point,
+    torch.is_complex,
 }
 
 # Calls that read a tensor's metadata only (the trace's folded-constant watch skips them), and

@@ -6,6 +6,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import math
 import threading
 import time
 import warnings
@@ -865,6 +866,34 @@ def test_dead_code_is_dropped_before_rewriting(capsys):
     printed = capsys.readouterr().out
     assert "constant_scale[scale=3.0]" in printed  # the program as traced still shows it
     assert "dead code removed: 2 equation(s) whose results reach no output" in printed
+
+
+def test_static_values_that_compare_equal_but_differ_are_keyed_apart():
+    # Keyed by ==, a complex with a signed-zero part, an np.longdouble -0.0 (float() of it would be
+    # exact, but it was keyed by its value), a Decimal('-0') and a frozenset({-0.0}) reused the plan
+    # traced for the +0 value: fused [1, 1] where unfused gives [-1, -1].
+    import decimal
+
+    import numpy as np
+
+    x = make((2,)).abs() + 1.0
+    cases = [
+        (lambda x, c: x * math.copysign(1.0, c.imag), complex(1, 0.0), complex(1, -0.0)),
+        (lambda x, c: x / float(c), np.longdouble(0.0), np.longdouble(-0.0)),
+        (lambda x, c: x / float(c), np.complex64(0.0), np.complex64(complex(-0.0, 0.0))),
+        (lambda x, c: x / float(c), decimal.Decimal("0"), decimal.Decimal("-0")),
+        (lambda x, c: x / next(iter(c)), frozenset({0.0}), frozenset({-0.0})),
+    ]
+    for fn, positive, negative in cases:
+        fused = functe.fuse(fn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
+            for value in (positive, negative, negative):
+                assert torch.equal(fused(x, value), fn(x, value)), (positive, negative)
+        assert fused.trace_count == 2, (positive, negative)
+    # (a retrace warning shows the values, not their keys)
+    assert _fuse._shown(_fuse._static_key(complex(1, -0.0))) == "(1-0j)"
+    assert _fuse._shown(_fuse._static_key(decimal.Decimal("-0"))) == "Decimal('-0')"
 
 
 def test_unhashable_static_argument_is_a_clear_error():

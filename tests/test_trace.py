@@ -145,6 +145,65 @@ def test_a_bool_scalar_scales_as_torch_promotes_it(flag):
     assert f"constant_scale[scale={float(flag)}] a" in str(functe.trace(programs[0])(x, flag))
 
 
+def test_metadata_queries_answer_while_tracing():
+    # is_cpu, itemsize, nbytes, is_signed() and torch.numel were refused as unrecordable calls, while
+    # is_cuda, element_size() and numel() answered
+    x = torch.ones(2, 3)
+    queries = [
+        lambda x: x.is_cpu,
+        lambda x: x.itemsize,
+        lambda x: x.nbytes,
+        lambda x: x.is_signed(),
+        lambda x: torch.numel(x),
+        lambda x: x.is_xpu or x.is_mps or x.is_sparse_csr or x.is_nested or x.is_mkldnn,
+        lambda x: x.ndimension() * x.nelement(),
+        lambda x: x.is_conj() or x.is_neg(),
+        lambda x: torch.is_floating_point(x) + torch.is_complex(x),
+    ]
+    for query in queries:
+        fn = lambda x, query=query: x * float(query(x))
+        assert torch.equal(functe.fuse(fn)(x), fn(x))
+
+
+def test_keyword_operands_of_arithmetic_are_recorded():
+    # torch's keyword names for the operands were refused, with the message naming a translation
+    # helper ("_torch_add() got an unexpected keyword argument 'other'")
+    x, y = make((2, 3)), make((2, 3))
+    programs = [
+        lambda x, y: x.add(other=y),
+        lambda x, y: torch.add(input=x, other=y, alpha=2.0),
+        lambda x, y: x.sub(other=y, alpha=3),
+        lambda x, y: x.mul(other=2.0) + torch.mul(input=y, other=0.5),
+        lambda x, y: x.div(other=4.0) + torch.div(y, 2, rounding_mode=None),
+        lambda x, y: x.float(memory_format=torch.preserve_format) + y.contiguous(memory_format=torch.contiguous_format),
+    ]
+    for fn in programs:
+        assert_close(functe.fuse(fn)(x, y), fn(x, y))
+    assert "add_extra_input a b" in str(functe.trace(programs[0])(x, y))
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (lambda x: x.add(2.0, alpha=2), r"f32\[2,3\] \+ float has no functe op"),  # (was "float * int")
+        (lambda x: torch.sub(x, x, alpha=True), r"alpha=True: a boolean alpha is only supported for boolean"),
+        (lambda x: torch.div(x, 2, rounding_mode="floor"), r"torch\.div\(f32.*'floor'.*only true division"),
+        (lambda x: F.dropout(x, 1.5, training=False), r"F\.dropout: dropout probability .* but got 1\.5"),
+        (lambda x: F.dropout(x, -0.1, False), r"between 0 and 1, but got -0\.1"),
+        (
+            lambda x: x.contiguous(memory_format=torch.channels_last),
+            r"memory_format=torch\.channels_last\) .*contiguous",
+        ),
+        (lambda x: x.half(memory_format=torch.channels_last), r"Tensor\.to\(f32\[2,3\], torch\.float16, memory_format"),
+        (lambda x: torch.add(x, x, out=x), r"\(got an unexpected keyword argument 'out'\)"),
+    ],
+)
+def test_arithmetic_arguments_torch_refuses_or_functe_cannot_record_are_named(fn, message):
+    # the first four were accepted (torch raises for the invalid ones) or reported in other words
+    with pytest.raises(functe.TraceError, match=message):
+        functe.fuse(fn)(torch.ones(2, 3))
+
+
 def test_public_op_validation_still_applies_while_tracing():
     with pytest.raises(functe.ShapeError, match=r"'weight' expected f32\[\?,3\], got f32\[4,5\]"):
         functe.trace(lambda x, w: ops.linear(x, w))(torch.zeros(2, 3), torch.zeros(4, 5))
