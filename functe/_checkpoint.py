@@ -68,12 +68,19 @@ def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
         >>> functe.tree_from_dict(s, functe.tree_to_dict(s)).scale.item()
         1.0
     """
+    if not isinstance(flat, dict) or not all(isinstance(k, str) for k in flat):
+        # (load_tree hands on what torch.load read: a file holding a bare tensor reached the key
+        # check below as torch's "Boolean value of Tensor ... is ambiguous")
+        raise StateError(
+            f"functe.tree_from_dict: 'flat' expected a dict of tensors by dotted key (tree_to_dict's output), "
+            f"got {_what(flat)}"
+        )
     keyed, spec = _keyed_leaves(like, "tree_from_dict")
     for key, leaf in keyed:  # (before the key check: such a key can never be in tree_to_dict's output)
         if leaf is not None and not isinstance(leaf, torch.Tensor):
             raise StateError(f"functe.tree_from_dict: template leaf {key!r} is {describe(leaf)}, not a tensor")
     wanted = {key for key, leaf in keyed if leaf is not None}
-    missing, extra = sorted(wanted - set(flat)), sorted(set(flat) - wanted)
+    missing, extra = sorted(wanted - set(flat)), sorted(set(flat) - wanted)  # (str keys: checked above)
     if missing or extra:
         # (both lists: a renamed leaf shows as one of each)
         parts = [f"{what} {_listed(keys)}" for what, keys in (("missing", missing), ("unexpected", extra)) if keys]
@@ -96,14 +103,28 @@ def tree_from_dict(like: Any, flat: dict[str, torch.Tensor]) -> Any:
 
 
 def _marked_like(value: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
-    """``value`` requiring grad where the template's leaf does, as a fresh leaf. A checkpoint holds
-    values only: loaded unmarked, a classic-route FP8 state's .grad stayed None after a resume (read
-    as "not reached": its scale froze) and restored adapters got no gradient, both silently."""
-    if not leaf.requires_grad or value.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(leaf):
-        return value  # (a transform's wrapper: requires_grad is the transform's business)
-    if value.is_inference():
-        return value  # (read under inference_mode, for serving: torch refuses to mark it outside)
+    """``value`` requiring grad where the template's leaf does, as a fresh leaf, and an
+    ``nn.Parameter`` where the leaf is one. A checkpoint holds values only: loaded unmarked, a
+    classic-route FP8 state's .grad stayed None after a resume (read as "not reached": its scale
+    froze) and restored adapters got no gradient, both silently; and a frozen ``nn.Parameter``
+    (the mark :func:`functe.value_and_grad` gives a ``None`` gradient) came back a plain tensor,
+    so a LoRA base trained again after a resume."""
+    if torch._C._functorch.is_functorch_wrapped_tensor(leaf) or value.is_inference():
+        # (a transform's wrapper: requires_grad is the transform's business; a value read under
+        # inference_mode, for serving: torch refuses to mark it outside)
+        return value
+    if isinstance(leaf, torch.nn.Parameter):
+        return torch.nn.Parameter(value.detach(), requires_grad=leaf.requires_grad)
+    if not leaf.requires_grad or value.requires_grad:
+        return value
     return value.detach().requires_grad_()
+
+
+def _what(flat: Any) -> str:
+    if isinstance(flat, dict):
+        odd = next(k for k in flat if not isinstance(k, str))
+        return f"a dict with the key {odd!r} ({type(odd).__name__})"
+    return describe(flat)
 
 
 def _listed(keys: list[str], shown: int = 10) -> str:
@@ -114,6 +135,9 @@ def _listed(keys: list[str], shown: int = 10) -> str:
 
 def save_tree(path: str | os.PathLike, tree: Any) -> None:
     """Save ``tree``'s tensors: safetensors for a ``.safetensors`` path, ``torch.save`` otherwise.
+
+    Tied leaves (one tensor under two keys) load tied from a ``torch.save`` file and as two copies
+    from safetensors, which stores no shared memory.
 
     Example:
         >>> import tempfile, os, torch, functe

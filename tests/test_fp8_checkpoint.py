@@ -68,6 +68,45 @@ def test_a_classic_route_resume_keeps_leaves_marked(tmp_path, suffix):
     assert not torch.equal(straight["state"].input.scale, half["state"].input.scale)  # the scale moved after it
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_parameters_load_as_parameters_so_frozen_ones_stay_frozen(tmp_path, suffix):
+    # A template's nn.Parameter loaded as a plain tensor: a frozen one (value_and_grad's mark for a
+    # None gradient) came back differentiated, so a LoRA base trained again after a resume.
+    base = torch.nn.Linear(4, 3)
+    base.weight.requires_grad_(False)
+    params = dict(base.named_parameters())
+    functe.save_tree(tmp_path / f"m{suffix}", params)
+    loaded = functe.load_tree(tmp_path / f"m{suffix}", params)
+    assert {k: (type(v), v.requires_grad, v.is_leaf) for k, v in loaded.items()} == {
+        "weight": (torch.nn.Parameter, False, True),
+        "bias": (torch.nn.Parameter, True, True),
+    }
+    assert all(torch.equal(loaded[k], params[k]) for k in params)
+
+    def loss(p, state, x):
+        return functe.ops.linear(x, p["weight"], p["bias"]).square().sum()
+
+    x = torch.randn(2, 4)
+    grads, loaded_grads = (functe.value_and_grad(loss)(tree, None, x)[1] for tree in (params, loaded))
+    assert grads["weight"] is None and loaded_grads["weight"] is None
+    assert torch.equal(loaded_grads["bias"], grads["bias"])
+
+
+@pytest.mark.parametrize(
+    ("flat", "shown"),
+    [
+        (torch.zeros(3, 4), r"f32\[3,4\]"),
+        (None, "None"),
+        ({"a": torch.zeros(2), 3: torch.zeros(1)}, r"a dict with the key 3 \(int\)"),
+    ],
+)
+def test_a_checkpoint_that_is_no_dict_of_named_tensors_is_refused(flat, shown):
+    # (a .pt file holding a bare tensor reached the key check as torch's "Boolean value of Tensor with
+    # more than one value is ambiguous"; a non-str key broke the message's sort with a TypeError)
+    with pytest.raises(functe.StateError, match=rf"'flat' expected a dict of tensors by dotted key .*, got {shown}"):
+        functe.tree_from_dict({"a": torch.zeros(2)}, flat)
+
+
 def test_a_checkpoint_read_under_inference_mode_restores_unmarked():
     # (a serving process: torch refuses requires_grad_() on an inference tensor outside inference_mode)
     template = dict(torch.nn.Linear(4, 2).named_parameters())
