@@ -46,7 +46,16 @@ import torch
 from . import _trace
 from ._autocast import autocast_state, without_autocast
 from ._backend import any_tangent, get_backend, unaliased_outputs
-from ._errors import ArgumentError, TraceError, TransformError, called_as, check_callable, describe, describe_shape
+from ._errors import (
+    ArgumentError,
+    FuncteError,
+    TraceError,
+    TransformError,
+    called_as,
+    check_callable,
+    describe,
+    describe_shape,
+)
 from ._folded import FoldedConstants
 from ._kernel import batched, empty_batched, formula_twins
 from ._oplist import LEAF, Eqn, Literal, OpList, Var, _op_names, flat_spec, format_oplist, without_dead_code
@@ -145,8 +154,6 @@ class _StepCheck:
         self.pending = True
 
     def check(self, cts: tuple) -> None:
-        if torch.compiler.is_compiling():  # (no state to change in a traced backward; ranks: custom_vjp)
-            return
         _flatten_cotangents(self.name, self.call, cts, self.in_meta, self.fwd, self.where, self.labels)
         self.pending = False
 
@@ -625,7 +632,9 @@ def _generate_backward(
             f"_bad_cotangents({e.op.name!r}, _c, {count})"
         )
         step_check = em.glob(_StepCheck(e, program, input_labels), "s")
-        em.emit(f"if {step_check}.pending: {step_check}.check(_c)")
+        # (compiling: no check, and pending not read: Dynamo guarded on it, so the first eager
+        # backward's check recompiled the compiled caller)
+        em.emit(f"if not torch.compiler.is_compiling() and {step_check}.pending: {step_check}.check(_c)")
         # The step consumed its outputs' cotangents (complete: a variable has one producing step):
         # drop them, so an intermediate gradient is freed here, as autograd frees a node's inputs.
         done = [grads[v] for v in e.outputs if v is not None and v in grads]
@@ -1263,6 +1272,12 @@ class Fused:
             # the modules are found outside the graph first, so that the list Dynamo reads is final)
             _find_mode_modules(self)
             index, order = _compiled_plan_index(self, key, get_backend(), self._flags_now())
+            if index < 0:
+                # The trace raised a functe error: raised inside Dynamo's trace, it reached the caller
+                # as an InternalTorchDynamoError (an `except functe.TraceError` missed it). Eagerly,
+                # the call raises it itself, or runs if its cause is gone by then (a captured
+                # weight frozen since), which a compiled-in error would not see.
+                return _call_outside_graph(self, args, kwargs)
             plan = _compiled_plan(self, index)
             # A plan that folded computations on captured tensors (`w.to(bf16)`) must see their
             # in-place updates, which no Dynamo guard does (a version counter is data): the check
@@ -1643,7 +1658,15 @@ def fuse(fn: Callable, *, recipe: Any = None, rules=None) -> Fused:
         1
     """
     check_callable("fuse", "fn", fn)
-    return Fused(fn, _check_rules("fuse", rules), _check_fuse_recipe("fuse", recipe))
+    return _new_fused(fn, _check_rules("fuse", rules), _check_fuse_recipe("fuse", recipe))
+
+
+@torch.compiler.disable
+def _new_fused(fn: Callable, rules, recipe) -> Fused:
+    # (made outside any compiled graph: a Fused that Dynamo built while tracing reached the lookups
+    # that run outside the graph without its attributes, an internal AttributeError; fuse(f)(x)
+    # inside a compiled function now graph-breaks here and traces the call as any fused call)
+    return Fused(fn, rules, recipe)
 
 
 def _check_rules(op: str, rules: Any):
@@ -1893,6 +1916,21 @@ def _compiled_plan_index(fused: Fused, key: Any, backend: str, training: tuple) 
     args, kwargs = _rebuild(key)
     walked: list[Tensor] = []
     _constant_key((args, kwargs), walked)
-    index, _, tensors = fused._lookup(args, kwargs)
+    try:
+        index, _, tensors = fused._lookup(args, kwargs)
+    except FuncteError:
+        return -1, ()  # (the caller runs the call outside the graph, which raises it: see there)
     position = {id(t): i for i, t in enumerate(walked)}
     return index, tuple(position[id(t)] for t in tensors)
+
+
+@functools.partial(
+    torch.compiler.disable,
+    # (what Dynamo says where it cannot break the graph, under fullgraph=True)
+    reason="tracing this functe.fuse function raised a functe error, which the call raises when run "
+    "without torch.compile (fullgraph=True forbids running it so here)",
+)
+def _call_outside_graph(fused: Fused, args: tuple, kwargs: dict) -> Any:
+    """``fused(*args, **kwargs)`` run eagerly: for a compiled call whose trace raised (see
+    ``Fused.__call__``)."""
+    return fused(*args, **kwargs)
