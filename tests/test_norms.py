@@ -464,3 +464,23 @@ def test_layer_norm_of_rows_with_a_large_mean_is_exact_in_16_bits(dtype, rows):
         # whatever order its kernel sums); the cancellation made it 0.1 to 0.9.
         spread = torch.arange(rows) % 3 == 1
         assert (y[spread].double() - expected[spread]).abs().max() < 1e-2 * w.abs().max()
+
+
+@pytest.mark.parametrize("rows", [3, 4096], ids=["one-chunk", "chunked"])
+def test_layer_norm_of_fp32_rows_with_a_large_mean_keeps_fp32_accuracy(rows):
+    # torch's fp32 LayerNorm cancels as its 16-bit one does (above): rows of std 1 and a mean of 1e4
+    # came out 3.7e-4 of the largest output off the float64 value, 3.8e-3 at 1e5 (a stop-35 fuzz),
+    # and their rstd carried the variance's cancellation; TE's formula subtracts the mean first.
+    torch.manual_seed(0)
+    n = 64
+    x = torch.randn(rows, n, dtype=F64)
+    x[::3] += torch.tensor([1e4, -1e5, 300.0], dtype=F64)[torch.arange(0, rows, 3) % 3, None]
+    x, w, b = x.float(), make((n,)), make((n,))
+    y, _, rstd = norm_kernels.layer_norm_ref(x, w, b, 1e-5, False)
+    x64 = x.double()
+    expected = ln_ref(x64, w.double(), b.double())
+    rtol, _ = tolerance(torch.float32)
+    assert (y.double() - expected).abs().max() <= 4 * rtol * expected.abs().max()
+    rstd64 = (x64.var(-1, unbiased=False) + 1e-5).rsqrt()
+    assert ((rstd.double() - rstd64).abs() / rstd64).max() <= 4 * rtol
+    assert torch.equal(ops.layer_norm(x, w, b), y)

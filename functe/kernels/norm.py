@@ -707,9 +707,11 @@ def layer_norm_ref(
             y, mean, rstd = torch.native_layer_norm(x.to(acc), x.shape[-1:], weight, bias, eps)
             return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
         y, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], weight, bias, eps)
-        if x.dtype != acc:
-            _recompute_cancelled_rows(y, x, mean, rstd, weight, bias, eps)
-        return y, mean.squeeze(-1), rstd.squeeze(-1)
+        mean, rstd = mean.squeeze(-1), rstd.squeeze(-1)
+        if x.dtype != torch.float64:
+            threshold = _CANCELLING_FP32 if x.dtype == torch.float32 else _CANCELLING
+            _recompute_cancelled_rows(y, x, mean, rstd, weight, bias, eps, threshold)
+        return y, mean, rstd
     xhat, rstd, mean = _normalize(x.to(acc), eps, "layer")
     y = (xhat * _gamma(weight, zero_centered_gamma, acc) + bias.to(acc)).to(x.dtype)
     return y, mean.squeeze(-1), rstd.squeeze(-1)
@@ -717,10 +719,15 @@ def layer_norm_ref(
 
 _CANCELLING = 256.0
 """|mean|·rstd above which torch's 16-bit LayerNorm loses accuracy (see _recompute_cancelled_rows)."""
+_CANCELLING_FP32 = 8.0
+"""The same for fp32 inputs: ~|mean|·rstd·2^-24 of error, so 5e-7 at 8 (3.7e-4 at a mean of 1e4 std)."""
 
 
-def _recompute_cancelled_rows(y: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight, bias, eps: float) -> None:
-    """Rows of a 16-bit ``x`` whose mean is large against their spread, normalized again in fp32 into ``y``.
+def _recompute_cancelled_rows(
+    y: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight, bias, eps: float, threshold: float
+) -> None:
+    """Rows of ``x`` whose mean is large against their spread (``|mean|·rstd > threshold``),
+    normalized again in fp32 from ``x − mean`` into ``y``, their ``rstd`` with them.
 
     torch's mixed-precision LayerNorm forms rstd·x − rstd·mean in fp32, which cancels to an error of
     ~ulp(|mean|·rstd): a row of a constant 3e4 (x − mean exactly 0, y exactly β) came out β + 0.44,
@@ -731,15 +738,24 @@ def _recompute_cancelled_rows(y: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, 
     shows in the last bit of small outputs: measured on 1024-wide fp16 rows with |mean|·rstd = 255,
     2.6% of elements are 1 ulp from the correctly rounded value (0.9% with the fp32 kernel, 0.01% at
     mean 0), all inside the fp16 tolerance; a lower threshold would redo ordinary rows for that bit.
+    fp32 inputs cancel the same way in torch's fp32 kernel (rows of std 1: 1.2e-5 of the largest
+    output off at a mean of 256, 3.7e-4 at 1e4, 3.8e-3 at 1e5; a stop-35 fuzz): their rows are
+    redone above 8 (5e-7), centred first, and the redone rstd replaces torch's, whose variance
+    cancels too.
     """
     # (a comparison, not the max: one NaN row made the max NaN and left every row as it was)
-    cancelling = torch.mul(mean.abs(), rstd).view(-1) > _CANCELLING
+    if mean.dim() == 1 and mean.numel() <= 64:  # (in Python: the test below costs ~9 µs on a tiny input)
+        if all(abs(m) * r <= threshold for m, r in zip(mean.tolist(), rstd.tolist())):  # (NaN: the test decides)
+            return
+    cancelling = torch.mul(mean.abs(), rstd).view(-1) > threshold
     if not bool(cancelling.any()):
         return
     rows = torch.nonzero(cancelling).view(-1)
     x_rows, y_rows = x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])
-    redone, _, _ = torch.native_layer_norm(x_rows[rows].float(), x.shape[-1:], weight, bias, eps)
+    centred = x_rows[rows].float().sub_(mean.reshape(-1, 1)[rows])
+    redone, _, redone_rstd = torch.native_layer_norm(centred, x.shape[-1:], weight, bias, eps)
     y_rows[rows] = redone.to(y.dtype)
+    rstd.view(-1)[rows] = redone_rstd.view(-1).to(rstd.dtype)
 
 
 def _member_param(t: Tensor, x: Tensor) -> Tensor:
