@@ -113,9 +113,11 @@ def _marked_like(value: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
         # (a transform's wrapper: requires_grad is the transform's business; a value read under
         # inference_mode, for serving: torch refuses to mark it outside)
         return value
+    if value.requires_grad:
+        return value  # (computed from trainable tensors, MAML-style: wrapping it would cut its graph)
     if isinstance(leaf, torch.nn.Parameter):
-        return torch.nn.Parameter(value.detach(), requires_grad=leaf.requires_grad)
-    if not leaf.requires_grad or value.requires_grad:
+        return torch.nn.Parameter(value, requires_grad=leaf.requires_grad)
+    if not leaf.requires_grad:
         return value
     return value.detach().requires_grad_()
 
@@ -136,8 +138,8 @@ def _listed(keys: list[str], shown: int = 10) -> str:
 def save_tree(path: str | os.PathLike, tree: Any) -> None:
     """Save ``tree``'s tensors: safetensors for a ``.safetensors`` path, ``torch.save`` otherwise.
 
-    Tied leaves (one tensor under two keys) load tied from a ``torch.save`` file and as two copies
-    from safetensors, which stores no shared memory.
+    Tied leaves (one tensor under two keys) load from a ``torch.save`` file as two leaves sharing
+    storage, and from safetensors, which stores no shared memory, as two copies.
 
     Example:
         >>> import tempfile, os, torch, functe

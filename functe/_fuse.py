@@ -418,7 +418,8 @@ def _outside_outputs(program: OpList) -> dict[int, tuple[int, tuple]]:
     ``{position: (source position, shapes)}``, the source reshaped by each of ``shapes`` in turn.
 
     They are the outputs that alias another output in the unfused function: one returned twice
-    (``return y, y``) and the reshapes of an output that no op reads (``y, y.reshape(...)``).
+    (``return y, y``) and the reshapes of an output that no op reads but another such reshape
+    (``y, y.reshape(...)``).
     Returned by an autograd.Function, the second of two aliases is a view of the first that
     autograd forbids writing to ("Output 1 of ... is a view and its base ... has been modified
     inplace"), where the unfused function returns the same tensor, or a view torch's own view op
@@ -430,7 +431,11 @@ def _outside_outputs(program: OpList) -> dict[int, tuple[int, tuple]]:
     from .ops._core import _reshape  # (functe.ops imports this module's callers; imported late)
 
     producer = {v: e for e in program.eqns for v in e.outputs if v is not None}
-    consumed = {a for e in program.eqns for a in e.inputs if isinstance(a, Var)}
+    readers: dict[Var, list[Eqn]] = {}
+    for e in program.eqns:
+        for a in e.inputs:
+            if isinstance(a, Var):
+                readers.setdefault(a, []).append(e)
     first: dict[Var, int] = {}  # each variable's first position
     for k, a in enumerate(program.outputs):
         if isinstance(a, Var) and a not in first:
@@ -440,11 +445,17 @@ def _outside_outputs(program: OpList) -> dict[int, tuple[int, tuple]]:
     chains = {
         a: chain
         for a in first
-        if a not in consumed
-        and (chain := _reshape_chain(a, producer, _reshape)) is not None
-        and chain[0] in first
-        and chain[0] not in inputs
+        if (chain := _reshape_chain(a, producer, _reshape)) is not None and chain[0] in first and chain[0] not in inputs
     }
+    # An output read by an op stays inside, unless each reader is a reshape whose result is built
+    # outside too (y, y.reshape(a), y.reshape(a).reshape(b)); dropping one can drop its sources' readers.
+    changed = True
+    while changed:
+        changed = False
+        for a in list(chains):
+            if any(e.op is not _reshape or e.outputs[0] not in chains for e in readers.get(a, ())):
+                del chains[a]
+                changed = True
     outside: dict[int, tuple[int, tuple]] = {}
     for k, a in enumerate(program.outputs):
         if not isinstance(a, Var):
@@ -713,7 +724,7 @@ class Plan:
         self.stats = {"joint": joint_stats, "forward": forward_stats, "backward": backward_stats}
         # Whether any output depends on an input (else there is nothing to differentiate: infer runs).
         self.differentiable = any(isinstance(a, Var) for a in program.outputs)
-        self.outside = _outside_outputs(program)  # (outputs aliasing others or inputs, see there)
+        self.outside = _outside_outputs(program)  # (outputs aliasing other outputs, see there)
         self._variants: dict[tuple[bool, ...] | None, _Variant] = {}
         # What the trace took as constants but may start requiring grad later (see check_captured).
         self._captured = [
@@ -1218,6 +1229,7 @@ class Fused:
         self._called: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self._modules_epoch = -1  # (_REGISTRATIONS when _mode_modules was found)
         self._structure = 0  # (bumped when the module tree changed: a key entry)
+        self._failed_traces = 0  # (bumped when a call whose compiled trace raised ran: see __call__)
         self._folded = FoldedConstants()  # (one copy of a constant every plan folds: see _folded)
 
     def _training_flags(self) -> tuple:
@@ -1271,12 +1283,16 @@ class Fused:
             # (the backend and the modules' training flags: arguments, so that Dynamo guards them;
             # the modules are found outside the graph first, so that the list Dynamo reads is final)
             _find_mode_modules(self)
-            index, order = _compiled_plan_index(self, key, get_backend(), self._flags_now())
+            failed = operator.index(self._failed_traces)  # (specialised: see _constant_key)
+            index, order = _compiled_plan_index(self, key, get_backend(), (*self._flags_now(), failed))
             if index < 0:
-                # The trace raised a functe error: raised inside Dynamo's trace, it reached the caller
-                # as an InternalTorchDynamoError (an `except functe.TraceError` missed it). Eagerly,
-                # the call raises it itself, or runs if its cause is gone by then (a captured
-                # weight frozen since), which a compiled-in error would not see.
+                # The trace raised a functe error (its message is `order`): raised inside Dynamo's
+                # trace, it reached the caller as an InternalTorchDynamoError, which an `except
+                # functe.TraceError` missed. The graph breaks here (fullgraph=True: Dynamo's error,
+                # with the message) and the call runs eagerly, raising the error itself; should it
+                # run (the cause gone, a captured weight frozen since), _failed_traces changes,
+                # which Dynamo guards above, so the next call compiles the plan.
+                torch._dynamo.graph_break(msg=f"functe.fuse({self.__name__}): {order}")
                 return _call_outside_graph(self, args, kwargs)
             plan = _compiled_plan(self, index)
             # A plan that folded computations on captured tensors (`w.to(bf16)`) must see their
@@ -1551,8 +1567,9 @@ class Fused:
 
 class _Bits(str):
     """A static leaf's key text where its value cannot be its key (see _static_key): a float's hex
-    bits, ... (told apart from a ``str`` subclass's value, an ``np.str_`` or a ``StrEnum``, whose
-    key also holds a string under another type); ``shown``: the value, for messages."""
+    bits, a complex number's, a wide numpy scalar's or a decimal's exact text (told apart from a
+    ``str`` subclass's value, an ``np.str_`` or a ``StrEnum``, whose key also holds a string under
+    another type); ``shown``: the value, for messages."""
 
     shown: str | None = None
 
@@ -1575,7 +1592,7 @@ def _static_key(x: Any) -> tuple:
     """The cache key of a static leaf: its type and value, with the values that ``==`` calls equal
     but a function can tell apart kept apart: floating values by their bits (``-0.0 == 0.0``; also
     a float subclass such as ``np.float64``), complex numbers by both parts' bits, numpy's other
-    floating and complex scalars by their bytes (``np.longdouble``: ``float()`` would round it),
+    floating and complex scalars by their repr (``np.longdouble``: ``float()`` would round it),
     decimals by their text (``Decimal('-0') == 0``), and a frozenset by its elements' keys.
     """
     if isinstance(x, float):
@@ -1586,8 +1603,8 @@ def _static_key(x: Any) -> tuple:
     numpy_scalar = type(x).__module__ == "numpy" and type(x).__name__ != "ndarray"  # (an array is unhashable)
     if kind == "f" and numpy_scalar and x.dtype.itemsize <= 8:  # (float() is exact; the type keys the dtype)
         return (type(x), _Bits(float(x).hex()))
-    if kind in ("f", "c") and numpy_scalar:
-        return (type(x), _bits(x.tobytes().hex(), x))
+    if kind in ("f", "c") and numpy_scalar:  # (repr: exact and signed; the bytes hold x87 padding)
+        return (type(x), _bits(repr(x), x))
     if isinstance(x, decimal.Decimal):
         return (type(x), _bits(str(x), x))
     if isinstance(x, frozenset):
@@ -1903,7 +1920,7 @@ _refresh_outside_graph = torch.compiler.disable(
 
 
 @torch._dynamo.assume_constant_result
-def _compiled_plan_index(fused: Fused, key: Any, backend: str, training: tuple) -> tuple[int, tuple[int, ...]]:
+def _compiled_plan_index(fused: Fused, key: Any, backend: str, training: tuple) -> tuple[int, tuple[int, ...] | str]:
     """Run by Dynamo at trace time (not traced): find or build the plan.
 
     Returns the plan's index and the order of the tensors of the
@@ -1911,26 +1928,25 @@ def _compiled_plan_index(fused: Fused, key: Any, backend: str, training: tuple) 
     which the lookup keys plans by) and ``training`` (the reached modules' flags, keyed too) are arguments
     so that Dynamo guards them: a switch, ``model.eval()``, recompiles. Only
     ints come back into the graph; the plan itself is then read from ``fused``
-    so that Dynamo has a real source to guard on.
+    so that Dynamo has a real source to guard on. A functe error the trace raises comes back as
+    ``(-1, its message)`` (see ``Fused.__call__``); ``training`` ends with ``fused._failed_traces``,
+    guarded like the flags (an int argument of its own, Dynamo made symbolic on a recompile).
     """
     args, kwargs = _rebuild(key)
     walked: list[Tensor] = []
     _constant_key((args, kwargs), walked)
     try:
         index, _, tensors = fused._lookup(args, kwargs)
-    except FuncteError:
-        return -1, ()  # (the caller runs the call outside the graph, which raises it: see there)
+    except FuncteError as error:
+        return -1, str(error)  # (the caller runs the call outside the graph, which raises it: see there)
     position = {id(t): i for i, t in enumerate(walked)}
     return index, tuple(position[id(t)] for t in tensors)
 
 
-@functools.partial(
-    torch.compiler.disable,
-    # (what Dynamo says where it cannot break the graph, under fullgraph=True)
-    reason="tracing this functe.fuse function raised a functe error, which the call raises when run "
-    "without torch.compile (fullgraph=True forbids running it so here)",
-)
+@torch.compiler.disable
 def _call_outside_graph(fused: Fused, args: tuple, kwargs: dict) -> Any:
     """``fused(*args, **kwargs)`` run eagerly: for a compiled call whose trace raised (see
-    ``Fused.__call__``)."""
-    return fused(*args, **kwargs)
+    ``Fused.__call__``); when it runs, the compiled caller recompiles at its next call."""
+    out = fused(*args, **kwargs)
+    fused._failed_traces += 1
+    return out

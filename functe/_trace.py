@@ -30,6 +30,7 @@ import contextlib
 import functools
 import logging
 import math
+import re
 import threading
 import types
 import warnings
@@ -147,7 +148,7 @@ class Tracer(Tensor):
             raise
         except (TypeError, ValueError) as e:  # arguments the translation does not take (torch's own kwargs...)
             # (without the translation's own name: "got an unexpected keyword argument 'out'")
-            why = str(e).split("() ", 1)[1] if "() " in str(e) else str(e)
+            why = re.sub(r"^[\w<>.]+\(\) ", "", str(e))
             raise _unsupported(func, args, kwargs, f" ({why})") from e
 
     @classmethod

@@ -515,7 +515,9 @@ def test_a_fused_function_made_inside_a_compiled_function_runs():
 
     x = make((3, 8), torch.float64).requires_grad_()
     compiled = torch.compile(step, backend="eager")
-    for _ in range(2):
+    # (each call makes a new Fused, so each recompiles: past Dynamo's limit, 8, the frame runs
+    # eagerly, still right; docs/fusion.md)
+    for _ in range(10):
         got = compiled(x)
         assert_close(got, ops.gelu(x) * 2.0)
     assert_close(torch.autograd.grad(got.sum(), x)[0], grad(lambda a: (ops.gelu(a) * 2.0).sum())(x.detach()))
@@ -525,19 +527,21 @@ def test_a_fused_function_made_inside_a_compiled_function_runs():
 def test_a_functe_error_in_a_compiled_fused_call_is_the_eager_error(fullgraph):
     # A TraceError raised while Dynamo traced the call reached the caller as InternalTorchDynamoError,
     # which `except functe.TraceError` misses; it now comes from the call run outside the graph,
-    # which also runs once the cause is gone (here the captured weight frozen).
+    # and once the cause is gone (the captured weight frozen) the next call compiles the plan.
     w = make((4, 4)).requires_grad_()
     fused = functe.fuse(lambda x: ops.linear(x, w))
     compiled = torch.compile(fused, backend="eager", fullgraph=fullgraph)
-    if fullgraph:  # (no graph break allowed: Dynamo's own error, saying where the functe error is)
-        with pytest.raises(torch._dynamo.exc.Unsupported, match="raised a functe error"):
+    if fullgraph:  # (no graph break allowed: Dynamo's error, carrying functe's message)
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"functe\.fuse\(<lambda>\): .*requires gradients"):
             compiled(make((2, 4)))
         return
-    with pytest.raises(functe.TraceError, match="requires grad"):
+    with pytest.raises(functe.TraceError, match="requires gradients"):
         compiled(make((2, 4)))
     w.requires_grad_(False)
-    x = make((2, 4))
-    assert torch.equal(compiled(x), ops.linear(x, w))
+    for _ in range(4):
+        x = make((2, 4))
+        assert torch.equal(compiled(x), ops.linear(x, w))
+    assert fused._failed_traces == 1  # (one call ran outside the graph; the rest compiled the plan)
 
 
 def test_an_eager_backward_of_a_fused_function_does_not_recompile_its_compiled_caller():

@@ -92,6 +92,16 @@ def test_parameters_load_as_parameters_so_frozen_ones_stay_frozen(tmp_path, suff
     assert torch.equal(loaded_grads["bias"], grads["bias"])
 
 
+def test_a_tree_rebuilt_from_computed_tensors_keeps_their_graph():
+    # (MAML-style: parameters computed from trainable ones, put back under the model's own names; a
+    # Parameter template must not wrap them, which would cut the graph)
+    template = dict(torch.nn.Linear(3, 2).named_parameters())
+    theta = {k: v.detach().clone().requires_grad_() for k, v in template.items()}
+    rebuilt = functe.tree_from_dict(template, {k: 2.0 * v for k, v in theta.items()})
+    assert not isinstance(rebuilt["weight"], torch.nn.Parameter)
+    assert torch.equal(torch.autograd.grad(rebuilt["weight"].sum(), theta["weight"])[0], torch.full((2, 3), 2.0))
+
+
 @pytest.mark.parametrize(
     ("flat", "shown"),
     [

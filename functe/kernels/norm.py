@@ -727,21 +727,20 @@ def _recompute_cancelled_rows(
     y: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight, bias, eps: float, threshold: float
 ) -> None:
     """Rows of ``x`` whose mean is large against their spread (``|mean|·rstd > threshold``),
-    normalized again in fp32 from ``x − mean`` into ``y``, their ``rstd`` with them.
+    normalized again in fp32 from ``x − mean`` into ``y``, their ``mean`` and ``rstd`` with them.
 
-    torch's mixed-precision LayerNorm forms rstd·x − rstd·mean in fp32, which cancels to an error of
-    ~ulp(|mean|·rstd): a row of a constant 3e4 (x − mean exactly 0, y exactly β) came out β + 0.44,
-    where TE's kernel and functe's subtract the mean first. Its fp32 kernel is exact there, so the
-    rows where |mean|·rstd exceeds 256 (an absolute error above 2^-15) are redone with it; usually
-    none are, and the check costs one pass over the statistics. Small inputs take the fp32 kernel
-    whole instead (an upcast is cheaper than the check). Below the threshold the cancellation still
-    shows in the last bit of small outputs: measured on 1024-wide fp16 rows with |mean|·rstd = 255,
-    2.6% of elements are 1 ulp from the correctly rounded value (0.9% with the fp32 kernel, 0.01% at
-    mean 0), all inside the fp16 tolerance; a lower threshold would redo ordinary rows for that bit.
-    fp32 inputs cancel the same way in torch's fp32 kernel (rows of std 1: 1.2e-5 of the largest
-    output off at a mean of 256, 3.7e-4 at 1e4, 3.8e-3 at 1e5; a stop-35 fuzz): their rows are
-    redone above 8 (5e-7), centred first, and the redone rstd replaces torch's, whose variance
-    cancels too.
+    torch's LayerNorm forms rstd·x − rstd·mean, which cancels to an error of ~ulp(|mean|·rstd), in
+    its mixed-precision kernel and its fp32 one alike: a 16-bit row of a constant 3e4 (x − mean
+    exactly 0, y exactly β) came out β + 0.44, and fp32 rows of std 1 came out 1.2e-5 of the largest
+    output off float64 at a mean of 256, 3.7e-4 at 1e4, 3.8e-3 at 1e5 (a stop-35 fuzz), their rstd
+    off with the variance; TE's kernel and functe's subtract the mean first. The redone rows are
+    centred first (exact there), then normalized by the fp32 kernel, whose mean of the centred row
+    refines the mean. Thresholds: 256 for 16-bit inputs (an absolute error above 2^-15: below it the
+    cancellation still shows in the last bit of small outputs, measured on 1024-wide fp16 rows with
+    |mean|·rstd = 255, 2.6% of elements 1 ulp from the correctly rounded value, 0.01% at mean 0, all
+    inside the fp16 tolerance), 8 for fp32 (5e-7). Usually no row qualifies and the check costs one
+    pass over the statistics. (Small 16-bit inputs take the fp32 kernel whole instead, unchecked:
+    its error, ~|mean|·rstd·2^-24, stays below half a 16-bit ulp while |mean|·rstd < 2^15.)
     """
     # (a comparison, not the max: one NaN row made the max NaN and left every row as it was)
     if mean.dim() == 1 and mean.numel() <= 64:  # (in Python: the test below costs ~9 µs on a tiny input)
@@ -753,8 +752,9 @@ def _recompute_cancelled_rows(
     rows = torch.nonzero(cancelling).view(-1)
     x_rows, y_rows = x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])
     centred = x_rows[rows].float().sub_(mean.reshape(-1, 1)[rows])
-    redone, _, redone_rstd = torch.native_layer_norm(centred, x.shape[-1:], weight, bias, eps)
+    redone, redone_mean, redone_rstd = torch.native_layer_norm(centred, x.shape[-1:], weight, bias, eps)
     y_rows[rows] = redone.to(y.dtype)
+    mean.view(-1)[rows] += redone_mean.view(-1).to(mean.dtype)
     rstd.view(-1)[rows] = redone_rstd.view(-1).to(rstd.dtype)
 
 
