@@ -484,3 +484,4 @@ def test_layer_norm_of_fp32_rows_with_a_large_mean_keeps_fp32_accuracy(rows):
     rstd64 = (x64.var(-1, unbiased=False) + 1e-5).rsqrt()
     assert ((rstd.double() - rstd64).abs() / rstd64).max() <= 4 * rtol
     assert torch.equal(ops.layer_norm(x, w, b), y)
+    assert torch.equal(ops.layer_norm(x.view(rows, 1, n), w, b).view(rows, n), y)  # (statistics of rank 2)

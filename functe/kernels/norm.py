@@ -743,8 +743,9 @@ def _recompute_cancelled_rows(
     its error, ~|mean|·rstd·2^-24, stays below half a 16-bit ulp while |mean|·rstd < 2^15.)
     """
     # (a comparison, not the max: one NaN row made the max NaN and left every row as it was)
-    if mean.dim() == 1 and mean.numel() <= 64:  # (in Python: the test below costs ~9 µs on a tiny input)
-        if all(abs(m) * r <= threshold for m, r in zip(mean.tolist(), rstd.tolist())):  # (NaN: the test decides)
+    if mean.numel() <= 64:  # (in Python: the test below costs ~9 µs on a tiny input, of any rank)
+        means, rstds = (mean, rstd) if mean.dim() == 1 else (mean.reshape(-1), rstd.reshape(-1))
+        if all(abs(m) * r <= threshold for m, r in zip(means.tolist(), rstds.tolist())):  # (NaN: the test decides)
             return
     cancelling = torch.mul(mean.abs(), rstd).view(-1) > threshold
     if not bool(cancelling.any()):
