@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functe
-from functe import _fuse, ops
+from functe import _fuse, _fuse_keys, ops
 from functe.rules import DEFAULT_RULES, RuleSet, check
 from functe.rules.core import (
     BACKWARD_LINEAR_ADD,
@@ -694,7 +694,7 @@ def test_the_retrace_warning_names_string_subclasses_it_does_not_take_for_floats
             for i in range(_fuse.RETRACE_WARNING):
                 fused(make((3,)), kind(f"n{i}"))
         assert repr(kind(f"n{_fuse.RETRACE_WARNING - 1}")) in str(caught[0].message)
-    assert _fuse._shown(_fuse._static_key(np.float32(-0.0))) == "-0.0"
+    assert _fuse_keys._shown(_fuse_keys._static_key(np.float32(-0.0))) == "-0.0"
 
 
 def test_a_static_value_changing_every_call_warns_once_naming_it():
@@ -709,7 +709,8 @@ def test_a_static_value_changing_every_call_warns_once_naming_it():
     [warning] = [w for w in caught if issubclass(w.category, functe.RetraceWarning)]
     assert f"traced {_fuse.RETRACE_WARNING} input signatures" in str(warning.message)
     assert f"static leaves changed: {_fuse.RETRACE_WARNING - 2} -> {_fuse.RETRACE_WARNING - 1}" in str(warning.message)
-    assert _fuse._shown(_fuse._static_key(-0.0)) == "-0.0" and _fuse._shown(_fuse._static_key(float("inf"))) == "inf"
+    assert _fuse_keys._shown(_fuse_keys._static_key(-0.0)) == "-0.0"
+    assert _fuse_keys._shown(_fuse_keys._static_key(float("inf"))) == "inf"
     assert warning.filename == __file__  # points at the caller's line
     # the remedy: the seed as a tensor is an input, one plan for every step
     fused = functe.fuse(lambda x, step: ops.dropout(x, 0.5, seed=step))
@@ -896,8 +897,8 @@ def test_static_values_that_compare_equal_but_differ_are_keyed_apart():
     fused(x, np.longdouble(1.0)), fused(x, np.longdouble(3) / np.longdouble(3))
     assert fused.trace_count == 1
     # (a retrace warning shows the values, not their keys)
-    assert _fuse._shown(_fuse._static_key(complex(1, -0.0))) == "(1-0j)"
-    assert _fuse._shown(_fuse._static_key(decimal.Decimal("-0"))) == "Decimal('-0')"
+    assert _fuse_keys._shown(_fuse_keys._static_key(complex(1, -0.0))) == "(1-0j)"
+    assert _fuse_keys._shown(_fuse_keys._static_key(decimal.Decimal("-0"))) == "Decimal('-0')"
 
 
 def test_unhashable_static_argument_is_a_clear_error():

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from .._codegen import RULE_HINT
 from .._errors import ArgumentError, RuleError, describe
-from .._fuse import RULE_HINT, _check_fuse_recipe, fuse
+from .._fuse import _check_fuse_recipe, fuse
 from .._tree import leaf_paths, tree_flatten, tree_unflatten
 from ..testing import assert_close
 from ._pattern import Pattern, Rule, RuleSet, near_misses
