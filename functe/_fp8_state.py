@@ -292,6 +292,16 @@ def flatten_states(tree: Any):
     return optree.tree_flatten(tree, is_leaf=_is_state, none_is_leaf=True, namespace=NAMESPACE)
 
 
+def loose_tensor(state: Any) -> tuple[str, Tensor] | None:
+    """The key and value of the first tensor of ``state`` that is not inside a :class:`ScalingState`
+    (a state pytree holds scaling states and ``None`` only), or ``None``."""
+    leaves, spec = flatten_states(state)
+    for path, leaf in zip(spec.paths(), leaves):
+        if isinstance(leaf, torch.Tensor):
+            return _keystr(path), leaf
+    return None
+
+
 def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
     """The next value of a state pytree from its "gradient" (the cotangents returned by the ops).
 
@@ -316,7 +326,8 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
     for path, old, ct in zip(spec.paths(), old_leaves, grad_leaves):
         if isinstance(old, torch.Tensor):
             raise StateError(
-                f"functe.state_from_gradient: the state pytree holds a tensor outside a ScalingState at {_keystr(path)}"
+                f"functe.state_from_gradient: the state pytree holds a tensor {describe(old)} outside a "
+                f"ScalingState at {_keystr(path)}"
             )
         if not _is_state(old):
             if hides_tensors(old):

@@ -18,7 +18,7 @@ import torch
 
 from ._checkpoint import _key
 from ._errors import ArgumentError, StateError, check_callable, check_flag, describe
-from ._fp8_state import hides_tensors, state_from_gradient
+from ._fp8_state import hides_tensors, loose_tensor, state_from_gradient
 from ._kernel import _with
 from ._tree import NAMESPACE, tree_flatten, tree_unflatten
 
@@ -115,6 +115,14 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
     # (an object optree cannot flatten is one opaque leaf: its scaling states would never enter the
     # gradient, and the state would silently never update)
     _refuse_hidden_tensors(state, leaves, "state", StateError, "would never update")
+    loose = loose_tensor(state)
+    if loose is not None:  # (refused by state_from_gradient too, but only after the whole step had run)
+        key, tensor = loose
+        raise StateError(
+            f"functe.value_and_grad: argument 'state' (fn is called as fn(params, state, *args)) expected a "
+            f"pytree of functe.ScalingState leaves (or None), got a tensor {describe(tensor)} at {key}: a loss "
+            "without scaling state takes it anyway (pass None), data goes after it"
+        )
     tensors = [leaves[i] for i in positions]
     for i, t in zip(positions, tensors):
         if not t.is_floating_point():  # (torch.func would refuse it with a message naming nothing)

@@ -162,8 +162,29 @@ def test_state_from_gradient_keeps_untouched_takes_used_rejects_doubled():
 
 
 def test_state_from_gradient_rejects_loose_tensors():
-    with pytest.raises(functe.StateError, match=r"tensor outside a ScalingState at state\.step"):
+    with pytest.raises(functe.StateError, match=r"tensor f32\[\] outside a ScalingState at state\.step"):
         functe.state_from_gradient({"step": torch.zeros(())}, {"step": torch.zeros(())})
+
+
+def test_value_and_grad_refuses_a_loose_state_tensor_before_running_the_loss():
+    # The usual slip: a loss written fn(params, x, y) with data in the state's place. The refusal
+    # came from state_from_gradient after the whole step had run, naming neither the value nor
+    # value_and_grad's signature.
+    calls = []
+
+    def loss_fn(params, x, y):
+        calls.append(1)
+        return ((ops.linear(x, params["w"]) - y) ** 2).mean()
+
+    params = {"w": torch.randn(16, 32)}
+    with pytest.raises(
+        functe.StateError,
+        match=r"value_and_grad: argument 'state' .*fn\(params, state, \*args\).*f32\[4,32\] at state:",
+    ):
+        functe.value_and_grad(loss_fn)(params, torch.randn(4, 32), torch.randn(4, 16))
+    with pytest.raises(functe.StateError, match=r"tensor f32\[\] at state\.s\[1\]"):
+        functe.value_and_grad(loss_fn)(params, {"s": [None, torch.zeros(())]}, torch.randn(4, 32))
+    assert not calls
 
 
 def test_state_passed_through_an_op_is_rejected():
