@@ -391,6 +391,48 @@ def test_donation_falls_back_to_a_new_tensor_when_the_write_could_be_seen():
     assert_close(y, forward64(before, w2, None, before)[1])
 
 
+@pytest.mark.parametrize("backend_name", ["interpret", "torch"])
+def test_donation_with_an_argument_on_another_device_raises_and_writes_nothing(backend_name):
+    # With one argument on 'meta' the dispatcher ran the in-place op's fake kernel (no check, no
+    # write) and the untouched accumulator came back as the GEMM's result (the Triton path).
+    x, w, b = make((M, K), torch.float16), make((N, K), torch.float16), make((N,), torch.float16)
+    dy, res, acc, main_grad = (make(s, torch.float16) for s in ((M, N), (M, N), (M, K), (N, K)))
+    calls = {
+        "gemm: argument.* 'x' on meta": lambda: G.GEMM_IN_PLACE(x.to("meta"), w, b, res, 1.0, "gelu"),
+        "gemm_dgrad: argument.* 'w' on meta": lambda: G.GEMM_DGRAD_IN_PLACE(dy, w.to("meta"), acc),
+        "gemm_wgrad: argument.* 'dy' on meta": lambda: G.GEMM_WGRAD_IN_PLACE(dy.to("meta"), x, main_grad),
+    }
+    before = [t.clone() for t in (res, acc, main_grad)]
+    with functe.use_backend(backend_name):
+        for message, call in calls.items():
+            with pytest.raises(functe.DeviceError, match=message):
+                call()
+    assert all(torch.equal(t, b) for t, b in zip((res, acc, main_grad), before))
+
+
+@pytest.mark.parametrize("backend_name", ["interpret", "torch"])
+def test_a_bad_accumulator_is_named_as_accum(backend_name):
+    # The output dtype comes from accum when out_dtype is not given: a list was an AttributeError
+    # and an integer accum was reported as a bad 'out_dtype', which the caller never passed.
+    dy, w, x = make((M, N), torch.float16), make((N, K), torch.float16), make((M, K), torch.float16)
+    with functe.use_backend(backend_name):
+        for call in (
+            lambda: G.GEMM_DGRAD(dy, w, [[0.0] * K] * M, 1.0),
+            lambda: G.GEMM_DGRAD_DACT(dy, dy.clone(), w, [[0.0] * K] * M, 1.0, "gelu"),
+            lambda: G.GEMM_WGRAD(dy, x, [[0.0] * K] * N, 1.0),
+        ):
+            with pytest.raises(functe.DTypeError, match=r"argument 'accum' expected a tensor, got list"):
+                call()
+        with pytest.raises(
+            functe.DTypeError, match=rf"gemm_dgrad: argument 'accum' expected dtype .*got i64\[{M},{K}\]"
+        ):
+            G.GEMM_DGRAD(dy, w, torch.zeros(M, K, dtype=torch.int64), 1.0)
+        with pytest.raises(
+            functe.DTypeError, match=rf"gemm_wgrad: argument 'accum' expected dtype .*got i32\[{N},{K}\]"
+        ):
+            G.GEMM_WGRAD(dy, x, torch.zeros(N, K, dtype=torch.int32), 1.0)
+
+
 # ----------------------------------------------------------------------------- transforms through the Kernel
 
 

@@ -642,9 +642,17 @@ def gemm_preact_ref(
 # ----------------------------------------------------------------------------- backward
 
 
-def _check_dgrad(op, dy, w, accum, dy_scale_inv, w_scale_inv, out_dtype) -> torch.dtype:
+def _accum_out_dtype(op, accum, out_dtype) -> torch.dtype | None:
+    """The output dtype: ``out_dtype``, else ``accum``'s (main_grad accumulation sets it), checked as
+    ``accum`` (an integer accum was reported as a bad 'out_dtype', a list as an AttributeError)."""
     if out_dtype is None and accum is not None:
-        out_dtype = accum.dtype
+        check_tensor(op, "accum", accum, dtypes=FLOAT_DTYPES)
+        return accum.dtype
+    return out_dtype
+
+
+def _check_dgrad(op, dy, w, accum, dy_scale_inv, w_scale_inv, out_dtype) -> torch.dtype:
+    out_dtype = _accum_out_dtype(op, accum, out_dtype)
     names = ("dy", "w", "dy_scale_inv", "w_scale_inv")
     out_dtype = _check_operands(op, names, dy, w, dy_scale_inv, w_scale_inv, out_dtype)
     if dy.dim() < 1:
@@ -741,8 +749,7 @@ def gemm_dgrad_dact_ref(
 
 
 def _check_wgrad(op, dy, x, accum, dy_scale_inv, x_scale_inv, out_dtype) -> torch.dtype:
-    if out_dtype is None and accum is not None:
-        out_dtype = accum.dtype
+    out_dtype = _accum_out_dtype(op, accum, out_dtype)
     names = ("dy", "x", "dy_scale_inv", "x_scale_inv")
     out_dtype = _check_operands(op, names, dy, x, dy_scale_inv, x_scale_inv, out_dtype)
     if dy.dim() < 1 or x.dim() < 1 or dy.shape[:-1] != x.shape[:-1]:
@@ -930,7 +937,13 @@ def _no_output(*args, **kwargs) -> None:
 def _can_donate(target, args, position: int) -> bool:
     if not isinstance(target, Tensor) or torch.compiler.is_compiling():
         return False
-    return donatable(target, [a for i, a in enumerate(args) if i != position and isinstance(a, Tensor)])
+    others = [a for i, a in enumerate(args) if i != position and isinstance(a, Tensor)]
+    # Arguments on another device take the pure kernel, whose check names them: with one on 'meta'
+    # the dispatcher ran the in-place op's fake kernel, which checks and writes nothing, and the
+    # untouched accumulator came back as the result.
+    if any(a.device != target.device for a in others):
+        return False
+    return donatable(target, others)
 
 
 GEMM_IN_PLACE = Donating(GEMM, gemm_in_place)

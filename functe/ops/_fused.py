@@ -1,8 +1,11 @@
 """Fused ops: what the fusion rules (``functe.rules``) rewrite runs of core ops into.
 
-Each is a :func:`functe.custom_vjp` op usable on its own, and each follows
-TransformerEngine's equivalence contract (docs/fusion.md), which is what lets
-the executor choose the forward and the backward plan independently:
+Each is a :func:`functe.custom_vjp` op, internal (not in :mod:`functe.ops`'s surface): a rule
+rewrites to it only after the unfused ops it covers were traced, and their shape inference
+checked the arguments, so it checks nothing itself (called by hand with a wrong shape, dtype or
+device it gives torch's error, or a wrong value). Each follows TransformerEngine's equivalence
+contract (docs/fusion.md), which is what lets the executor choose the forward and the backward
+plan independently:
 
 * a **forward** fusion computes the covered ops' forward in fewer passes and
   returns exactly the residuals their own forward rules return (a tuple, one
