@@ -113,7 +113,13 @@ def _defined_in(fn: Callable, cls: type) -> bool:
 
 
 RETRACE_WARNING = 16
-"""After this many traces of one fused function, :class:`RetraceWarning` (once)."""
+"""After this many traces of one fused function, :class:`RetraceWarning`; again at each doubling."""
+
+
+def _warns_at(count: int) -> bool:
+    # 16, 32, 64, ...: a long run that retraces every step (an int seed) keeps hearing of it while
+    # its plans pile up (they are kept), with a warning per doubling rather than per step.
+    return count >= RETRACE_WARNING and count % RETRACE_WARNING == 0 and (count & (count - 1)) == 0
 
 
 class RetraceWarning(UserWarning):
@@ -406,19 +412,19 @@ class Fused:
                 self._plans[stale] = plan
                 setattr(self, f"_plan{stale}", plan)
                 self.stale_retraces += 1
-                if self.stale_retraces == RETRACE_WARNING:
+                if _warns_at(self.stale_retraces):
                     self._warn_stale(plan)
                 return stale
             self._plans.append(plan)
             index = self._index[key] = self._index[rekeyed] = len(self._plans) - 1
             setattr(self, f"_plan{index}", plan)  # (what compiled code reads: see _compiled_plan)
-            if len(self._plans) == RETRACE_WARNING:  # (signatures: stale retraces warn on their own)
+            if _warns_at(len(self._plans)):  # (signatures: stale retraces warn on their own)
                 self._warn_retracing(key, leaves)
             self._last_key = key
             return index
 
     def _warn_stale(self, plan: Plan) -> None:
-        """Warn once that changes to captured tensors keep invalidating plans."""
+        """Warn (see _warns_at) that changes to captured tensors keep invalidating plans."""
         read = [t for t in (ref() for ref, *_ in plan.sources) if t is not None]
         read += [t for *_, t, _, _, _ in plan.bindings]
         shown = ", ".join(describe(t) for t in read[:3])
@@ -431,7 +437,7 @@ class Fused:
         )
 
     def _warn_retracing(self, key: tuple, leaves: list) -> None:
-        """Warn once that plans pile up, naming the static leaves that changed since the last trace."""
+        """Warn (see _warns_at) that plans pile up, naming the static leaves that changed since the last trace."""
         previous = self._last_key
         changed, reshaped = [], []
         if previous is not None and len(previous) == len(key) and previous[:2] == key[:2]:

@@ -124,3 +124,23 @@ def test_cast_norm_block_equals_norm_then_cast_block(recipe):
     assert (s1 is None and s2 is None) if recipe is FP8B else (torch.equal(s1, s2) and torch.equal(a1, a2))
     with pytest.raises(functe.FuncteError, match="norms feed a GEMM as its"):
         cast_norm_block(x, w, b, "layer", 1e-5, False, recipe, "weight", None, dtype)
+
+
+@pytest.mark.parametrize("zc", [False, True])
+def test_layer_norm_without_bias_runs_on_both_backends_alike(zc):
+    # The Triton kernels take bias=None (HAS_B=False); the LayerNorm twin raised AttributeError
+    # ('NoneType' has no attribute 'to') with zero_centered_gamma or a 16-bit x.
+    for dtype in (torch.float32, BF16):
+        x, w, _ = _args("layer", (3, 32), dtype)
+        got = {}
+        for backend in ("torch", "interpret"):
+            with functe.use_backend(backend):
+                y, _, _ = nk.LAYER_NORM(x, w, None, 1e-5, zc)
+                block = nbq.NORM_FP8_BLOCK_CAST(x, w, None, 1e-5, "layer", zc, E4M3, torch.float32, True, 0.0)
+            got[backend] = y
+            assert_close(block[0], y)
+        x64 = x.double()
+        w64 = (1.0 + w.double()) if zc else w.double()
+        y64 = (x64 - x64.mean(-1, keepdim=True)) / torch.sqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-5) * w64
+        for backend, y in got.items():
+            assert_close(y, y64, dtype=dtype, msg=f"{backend} {dtype}")

@@ -697,16 +697,22 @@ def test_the_retrace_warning_names_string_subclasses_it_does_not_take_for_floats
     assert _fuse_keys._shown(_fuse_keys._static_key(np.float32(-0.0))) == "-0.0"
 
 
-def test_a_static_value_changing_every_call_warns_once_naming_it():
+def test_a_static_value_changing_every_call_warns_naming_it_and_again_at_each_doubling():
     # A step count passed as a Python int is static: every step traced a new plan, and kept it.
+    # The warning came once, at the 16th trace, while a long run's plans kept piling up.
     fused = functe.fuse(lambda x, step: ops.dropout(x, 0.5, seed=step))
     x = make((2, 3))
+    steps = 4 * _fuse.RETRACE_WARNING + 3
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(_fuse.RETRACE_WARNING + 3):
+        for step in range(steps):
             fused(x, step)
-    assert fused.trace_count == _fuse.RETRACE_WARNING + 3
-    [warning] = [w for w in caught if issubclass(w.category, functe.RetraceWarning)]
+    assert fused.trace_count == steps
+    warning, *again = [w for w in caught if issubclass(w.category, functe.RetraceWarning)]
+    assert [str(w.message).split(" (")[0] for w in again] == [
+        f"functe.fuse(<lambda>) has traced {n} input signatures"
+        for n in (2 * _fuse.RETRACE_WARNING, 4 * _fuse.RETRACE_WARNING)
+    ]
     assert f"traced {_fuse.RETRACE_WARNING} input signatures" in str(warning.message)
     assert f"static leaves changed: {_fuse.RETRACE_WARNING - 2} -> {_fuse.RETRACE_WARNING - 1}" in str(warning.message)
     assert _fuse_keys._shown(_fuse_keys._static_key(-0.0)) == "-0.0"

@@ -700,7 +700,7 @@ def layer_norm_ref(
         # fp32 γ and β (1 + γ formed in fp32) it also returns fp32 statistics, which it does not
         # for bf16/fp16 parameters.
         if zero_centered_gamma or x.dtype != acc:
-            weight, bias = _gamma(weight, zero_centered_gamma, acc), bias.to(acc)
+            weight, bias = _gamma(weight, zero_centered_gamma, acc), None if bias is None else bias.to(acc)
         # (torch.native_layer_norm and squeeze: the same kernel and views as torch.ops.aten's
         # overload and view(x.shape[:-1]) with ~5 us less Python dispatch at small sizes)
         if x.dtype != acc and x.numel() <= _fast.CHUNK_ELEMENTS:  # (see _recompute_cancelled_rows)
@@ -713,7 +713,8 @@ def layer_norm_ref(
             _recompute_cancelled_rows(y, x, mean, rstd, weight, bias, eps, threshold)
         return y, mean, rstd
     xhat, rstd, mean = _normalize(x.to(acc), eps, "layer")
-    y = (xhat * _gamma(weight, zero_centered_gamma, acc) + bias.to(acc)).to(x.dtype)
+    y = xhat * _gamma(weight, zero_centered_gamma, acc)
+    y = (y if bias is None else y + bias.to(acc)).to(x.dtype)  # (no bias: the norm kernels' HAS_B=False)
     return y, mean.squeeze(-1), rstd.squeeze(-1)
 
 
