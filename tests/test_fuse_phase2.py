@@ -562,6 +562,93 @@ def test_vmap_of_value_and_grad_keeps_one_state_per_member():
     assert fused.trace_count == 1
 
 
+_PER_MEMBER_PROGRAMS = {
+    # the activation q-in (ACT_OUTPUT_CAST_AMAX) and the backward dact + dbias + cast
+    # (DACT_OUTPUT_DBIAS_CAST_AMAX), per-tensor FP8; NVFP4's activation q-in (ACT_OUTPUT_AMAX)
+    "swiglu_q_in": (lambda p, s, x, seed: ops.fp8_linear(ops.swiglu(x), p["w"], p["b"], s, recipe=DELAYED), 32),
+    "qgelu_dact": (
+        lambda p, s, x, seed: ops.activation(ops.fp8_linear(x, p["w"], p["b"], s, recipe=DELAYED), "qgelu"),
+        16,
+    ),
+    "nvfp4_swiglu_q_in": (
+        lambda p, s, x, seed: ops.fp8_linear(
+            ops.swiglu(x), p["w"], p["b"], None, recipe=functe.NVFP4BlockScaling(), seed=seed
+        ),
+        32,
+    ),
+}
+
+
+def _member(tree, i: int):
+    return None if tree is None else functe.tree_map(lambda t: t[i], tree)
+
+
+@pytest.mark.parametrize("name", list(_PER_MEMBER_PROGRAMS))
+def test_vmapped_fused_fp8_activations_give_each_member_its_unbatched_bits(name):
+    # These kernels' amaxes are per member: they vmapped their twins' formulas, which round h or
+    # g = dy·act'(z) differently from the activation's row-batched fast path, so the next scale came
+    # out an ulp off the unfused program's (qgelu: 19 of 20 seeds). They now run once per member.
+    fn, width = _PER_MEMBER_PROGRAMS[name]
+    members, stateless = 3, name.startswith("nvfp4")
+    results = {}
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        k = width // 2 if "swiglu" in name else width
+        params = {"w": torch.randn(members, 16, k, generator=gen) / 3, "b": torch.randn(members, 16, generator=gen) / 8}
+        x = torch.randn(members, 5, width, generator=gen) * 2
+        cotangent = torch.randn(5, 16, generator=gen)
+        states = (
+            None
+            if stateless
+            else functe.tree_map(
+                lambda *t: torch.stack(t), *[functe.init_linear_scaling_state(DELAYED) for _ in range(members)]
+            )
+        )
+        seeds = torch.arange(members)
+        fused = functe.fuse(fn)
+        for label, f in (("unfused", fn), ("fused", fused)):
+            step = functe.value_and_grad(
+                lambda p, s, x, seed, f=f, ct=cotangent: (f(p, s, x, seed) * ct).sum(), check=False
+            )
+            in_dims = (0, None if stateless else 0, 0, 0)
+            batched = torch.func.vmap(step, in_dims=in_dims, out_dims=(0, 0, None) if stateless else 0)(
+                params, states, x, seeds
+            )
+            results[label] = batched
+        # (the unfused program's own batched reductions may not: fp8_linear's bias gradient, a
+        # vmapped column sum, differed from the per-member calls by an ulp)
+        step = functe.value_and_grad(
+            lambda p, s, x, seed, f=fused, ct=cotangent: (f(p, s, x, seed) * ct).sum(), check=False
+        )
+        for i in range(members):
+            alone = step(*(_member(a, i) for a in (params, states, x, seeds)))
+            for got, expected in zip(functe.tree_leaves(results["fused"]), functe.tree_leaves(alone)):
+                if got is not None:
+                    assert torch.equal(got[i], expected), (name, seed, i)
+        fired = fused.plan(*(_member(a, 0) for a in (params, states, x, seeds))).stats
+        assert any(fired[phase].fired for phase in ("forward", "backward")), name
+        if not stateless:  # (the next scaling states: fused and unfused alike)
+            for got, expected in zip(
+                functe.tree_leaves(results["fused"][2]), functe.tree_leaves(results["unfused"][2])
+            ):
+                assert torch.equal(got, expected), (name, seed)
+
+
+def test_a_vmap_over_many_members_vmaps_the_per_member_kernels_twins():
+    # Above PerMember's 16 members (per-example gradients) one vmapped call replaces the launches.
+    fn, _ = _PER_MEMBER_PROGRAMS["qgelu_dact"]
+    members, gen = 17, torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(members, 16, 16, generator=gen) / 3, "b": torch.randn(members, 16, generator=gen)}
+    x = torch.randn(members, 5, 16, generator=gen)
+    states = functe.tree_map(lambda *t: torch.stack(t), *[functe.init_linear_scaling_state(DELAYED)] * members)
+    got = {}
+    for label, f in (("unfused", fn), ("fused", functe.fuse(fn))):
+        step = functe.value_and_grad(lambda p, s, x, f=f: f(p, s, x, None).square().sum(), check=False)
+        got[label] = torch.func.vmap(step)(params, states, x)
+    for a, b in zip(functe.tree_leaves(got["fused"]), functe.tree_leaves(got["unfused"])):
+        assert_close(a, b)
+
+
 # ----------------------------------------------------------------------------- the residual contract
 
 

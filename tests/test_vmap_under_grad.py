@@ -294,3 +294,28 @@ def test_batched_gradients_of_torchs_legacy_vmap(name):
         for got, expected in zip(batched, torch.autograd.grad(y, (x, w), v, retain_graph=True)):
             assert_close(got[i], expected)
     assert torch.autograd.gradcheck(fn, (x, w), check_batched_grad=True)
+
+
+@pytest.mark.parametrize(
+    "recipe, kernel",
+    [
+        (functe.MXFP8BlockScaling(), "mxfp8_cast"),
+        (functe.Float8BlockScaling(), "fp8_block_cast"),
+        (functe.NVFP4BlockScaling(), "nvfp4_cast"),
+    ],
+)
+def test_block_scaled_casts_refuse_torchs_legacy_vmap_by_name(recipe, kernel):
+    # Their casts read exponents through bit views (Tensor.view(dtype)), which the legacy vmap cannot
+    # batch: torch's raw "Batching rule not implemented for aten::view.dtype" named no functe op.
+    # (Per-tensor FP8 batches: its batched gradients equal the per-cotangent ones.)
+    x, w = torch.randn(3, 32, requires_grad=True), torch.randn(5, 32, requires_grad=True)
+    seed = 3 if isinstance(recipe, functe.NVFP4BlockScaling) else None
+    y = ops.fp8_linear(x, w, None, None, recipe=recipe, seed=seed)
+    with pytest.raises(functe.TransformError, match=rf"functe.{kernel}: torch's legacy vmap .*torch.func.vmap"):
+        torch.autograd.grad(y, (x, w), torch.randn(4, *y.shape), is_grads_batched=True)
+    y = ops.fp8_linear(x, w, None, None, recipe=functe.CurrentScaling())
+    cotangents = torch.randn(4, *y.shape)
+    batched = torch.autograd.grad(y, (x, w), cotangents, is_grads_batched=True, retain_graph=True)
+    for i, v in enumerate(cotangents):
+        for got, expected in zip(batched, torch.autograd.grad(y, (x, w), v, retain_graph=True)):
+            assert torch.equal(got[i], expected)

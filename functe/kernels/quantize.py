@@ -38,7 +38,7 @@ import torch
 import triton.language as tl
 
 from .._errors import describe_shape, shape_error
-from .._kernel import Kernel, Rowwise
+from .._kernel import Kernel, PerMember, Rowwise
 from . import _act
 from ._common import as_rows, column_sums
 from ._triton import cdiv, jit, next_power_of_2, tile_ids, tiled_grid
@@ -716,11 +716,17 @@ DACT_DBIAS_CAST_AMAX = Kernel(
     "fp8_dact_dbias_cast_amax", dact_dbias_cast_amax, dact_dbias_cast_amax_ref, fast_path=False, quantizes=True
 )
 MXFP8_CAST = Kernel("mxfp8_cast", mxfp8_cast, mxfp8_cast_ref, batch=Rowwise(), quantizes=True)
+# (PerMember: the fused activation q-in's amax is per member; vmapping the twin's formula rounded
+# `h` differently from the activation's row-batched fast path, an ulp, then the amax and the scale)
 ACT_OUTPUT_CAST_AMAX = Kernel(
-    "fp8_act_output_cast_amax", act_output_cast_amax, act_output_cast_amax_ref, quantizes=True
+    "fp8_act_output_cast_amax", act_output_cast_amax, act_output_cast_amax_ref, batch=PerMember(), quantizes=True
 )
-ACT_OUTPUT_AMAX = Kernel("act_output_amax", act_output_amax, act_output_amax_ref)
+ACT_OUTPUT_AMAX = Kernel("act_output_amax", act_output_amax, act_output_amax_ref, batch=PerMember())
 DACT_OUTPUT_DBIAS_CAST_AMAX = Kernel(
-    "fp8_dact_output_dbias_cast_amax", dact_output_dbias_cast_amax, dact_output_dbias_cast_amax_ref, quantizes=True
+    "fp8_dact_output_dbias_cast_amax",
+    dact_output_dbias_cast_amax,
+    dact_output_dbias_cast_amax_ref,
+    batch=PerMember(),  # (the bits of the unfused activation backward, which batches by rows)
+    quantizes=True,
 )
 DACT_DBIAS = Kernel("dact_dbias", dact_dbias, dact_dbias_ref)
