@@ -251,3 +251,16 @@ def test_nvfp4_inference_needs_no_seed():
         ops.fp8_linear(x, w.requires_grad_(), None, None, recipe=recipe)
     with torch.no_grad(), pytest.raises(functe.ArgumentError, match=r"argument 'seed' expected"):
         functe.fuse(lambda x: ops.fp8_linear(x, w, None, None, recipe=recipe))(x)
+    # A vmap level alone takes no gradient (a served ensemble): it was refused as if it trained.
+    # Under grad, or vmap(grad), a seed is still needed.
+    frozen, members = w.detach(), torch.stack([x, 2 * x])
+    with torch.no_grad():
+        batched = torch.func.vmap(lambda xi: ops.fp8_linear(xi, frozen, None, None, recipe=recipe))(members)
+        for i in range(2):
+            alone = ops.fp8_linear(members[i], frozen, None, None, recipe=recipe, seed=7)
+            torch.testing.assert_close(batched[i], alone, rtol=0, atol=0)
+    loss = lambda xi: ops.fp8_linear(xi, frozen, None, None, recipe=recipe).sum()
+    with pytest.raises(functe.ArgumentError, match=r"argument 'seed' expected"):
+        torch.func.grad(loss)(x)
+    with pytest.raises(functe.ArgumentError, match=r"argument 'seed' expected"):
+        torch.func.vmap(torch.func.grad(loss))(members)
