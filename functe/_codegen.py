@@ -66,6 +66,7 @@ def _zeros_or(ct, meta) -> Tensor:
 
 
 RULE_HINT = "; functe.rules.check tests a rule"
+"""Appended to the errors of a fused op's backward rule, but where rules.check runs (see there)."""
 
 
 def _bad_cotangents(name: str, cts, count: int):

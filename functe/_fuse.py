@@ -82,7 +82,6 @@ from ._vjp import (
 )
 
 Tensor = torch.Tensor
-"""Appended to the errors of a fused op's backward rule, but where rules.check runs (see there)."""
 
 
 def _carries_grad(t: Tensor) -> bool:
@@ -119,7 +118,8 @@ RETRACE_WARNING = 16
 def _warns_at(count: int) -> bool:
     # 16, 32, 64, ...: a long run that retraces every step (an int seed) keeps hearing of it while
     # its plans pile up (they are kept), with a warning per doubling rather than per step.
-    return count >= RETRACE_WARNING and count % RETRACE_WARNING == 0 and (count & (count - 1)) == 0
+    doublings, rest = divmod(count, RETRACE_WARNING)
+    return doublings > 0 and rest == 0 and (doublings & (doublings - 1)) == 0
 
 
 class RetraceWarning(UserWarning):

@@ -16,6 +16,7 @@ from . import _trace
 from ._errors import (
     TraceError,
 )
+from ._fp8_state import hides_tensors
 from ._tree import (
     NAMESPACE,
     argument_labels,
@@ -34,7 +35,6 @@ Tensor = torch.Tensor
 def _unhashable_error(fused: Fused, leaves: list, spec) -> TraceError:
     """The error for a call whose static (non-tensor) leaves do not all hash: which, where, and, for an
     object that holds tensors functe cannot see, what to do (its tensors would be captured constants)."""
-    from ._fp8_state import hides_tensors  # (the FP8 state module imports this one)
 
     labels = argument_labels(*spec.children(), names=positional_names(fused.__wrapped__))
     bad = []

@@ -40,7 +40,6 @@ threshold).
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -119,6 +118,7 @@ class PerMember:
     next scale). One launch per member costs: above ``max_members`` (per-example gradients over a
     large batch) the twin is vmapped as without a rule, one call whose bits may differ by an ulp
     (a fused FP8 MLP's ``vmap(value_and_grad)`` over 32 members: 13.2 ms vmapped, 21.4 per member).
+    The cap is per ``vmap`` level: a nested ``vmap`` of 16 x 16 runs 256 launches.
     """
 
     def __init__(self, max_members: int = 16):
@@ -161,7 +161,7 @@ class Kernel:
         self.launcher = launcher
         raw_twin = twin
         if quantizes:
-            twin = _naming_legacy_vmap_errors(name, twin)
+            twin = _NamingLegacyVmapErrors(name, twin)
         self.twin = twin
         self.batch = batch
         self.fast_path = fast_path
@@ -214,14 +214,19 @@ class Kernel:
         return f"Kernel({self.name})"
 
 
-def _naming_legacy_vmap_errors(name: str, twin: Callable) -> Callable:
-    """``twin`` raising a functe error under torch's legacy vmap, which has no batching rule for a bit
-    cast (``Tensor.view(dtype)``, how the block-scaled casts read exponents): torch's raw "Batching
-    rule not implemented for aten::view.dtype" named no functe op. (No ``try`` while compiling: a
-    graph break inside one made Dynamo run the frame eagerly and compile its callees one by one.)"""
+class _NamingLegacyVmapErrors:
+    """A quantizing kernel's twin raising a functe error under torch's legacy vmap, which has no
+    batching rule for a bit cast (``Tensor.view(dtype)``, how the block-scaled casts read exponents):
+    torch's raw "Batching rule not implemented for aten::view.dtype" named no functe op. (No ``try``
+    while compiling: a graph break inside one made Dynamo run the frame eagerly and compile its
+    callees one by one. A class, not a closure: the twin stays picklable.)"""
 
-    @functools.wraps(twin)
-    def checked(*args):
+    def __init__(self, name: str, twin: Callable):
+        self.name = name
+        self.__wrapped__ = twin  # (inspect.signature reads the twin's)
+
+    def __call__(self, *args):
+        twin = self.__wrapped__
         if torch.compiler.is_compiling():
             return twin(*args)
         try:
@@ -231,13 +236,14 @@ def _naming_legacy_vmap_errors(name: str, twin: Callable) -> Callable:
             if not legacy or "Batching rule not implemented" not in str(error):
                 raise
             raise TransformError(
-                f"functe.{name}: torch's legacy vmap (autograd.grad(is_grads_batched=True), "
+                f"functe.{self.name}: torch's legacy vmap (autograd.grad(is_grads_batched=True), "
                 "autograd.functional.jacobian/hessian(vectorize=True), gradcheck(check_batched_grad=True)) "
                 f"cannot batch this kernel's bit casts ({str(error).split(';')[0]}): use torch.func.vmap or "
                 "jacrev, or take the gradients one cotangent at a time"
             ) from error
 
-    return checked
+    def __reduce__(self):
+        return (_NamingLegacyVmapErrors, (self.name, self.__wrapped__))
 
 
 _transforms_active = torch._C._are_functorch_transforms_active

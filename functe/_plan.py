@@ -239,7 +239,7 @@ class Plan:
         return variant
 
     def explain(self) -> str:
-        """The op list before and after each rewrite, rules fired and declined (see :func:`explain`)."""
+        """The op list before and after each rewrite, rules fired and declined (see :func:`functe.explain`)."""
         # (one numbering of ops sharing a name for every section: each printout numbered its own,
         # so one opaque op could be `#2` in the traced program and unsuffixed in a plan)
         names = _op_names([*self.traced.eqns, *self.joint.eqns, *self.forward.eqns, *self.backward.eqns])
@@ -438,7 +438,7 @@ def _eager_function(
             grads_in = list(backward_op(res, cts))
             grads_in = tuple(_guard(second_order, grads_in, next(saved))) if n_new else tuple(grads_in)
         if unchecked[0]:
-            # (a backstop: each step's cotangents are checked first, see _StepCheck)
+            # (a backstop: each step's cotangents are checked first, see _codegen._StepCheck)
             check_gradients(name, grads_in, ctx.in_meta, " (in a fused plan's backward)", input_labels)
             unchecked[0] = False
         return grads_in

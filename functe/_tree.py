@@ -202,7 +202,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     """
     cls = dataclasses.dataclass(frozen=True)(cls)
     names = tuple(f.name for f in dataclasses.fields(cls))
-    cls.__functe_pytree_fields__ = names  # (generated code rebuilds such nodes itself: functe._fuse)
+    cls.__functe_pytree_fields__ = names  # (generated code rebuilds such nodes itself: functe._codegen)
 
     def children(obj):
         return tuple(getattr(obj, n) for n in names)

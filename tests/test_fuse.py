@@ -725,6 +725,13 @@ def test_a_static_value_changing_every_call_warns_naming_it_and_again_at_each_do
     assert fused.trace_count == 1
 
 
+def test_retrace_warnings_come_at_the_threshold_and_its_doublings(monkeypatch):
+    for threshold in (16, 10, 24):
+        monkeypatch.setattr(_fuse, "RETRACE_WARNING", threshold)
+        warned = [n for n in range(1, 8 * threshold + 1) if _fuse._warns_at(n)]
+        assert warned == [threshold, 2 * threshold, 4 * threshold, 8 * threshold]
+
+
 def test_dict_key_order_and_key_types_are_part_of_the_signature():
     # optree's spec equality ignores both: the first plan was reused for {"b", "a"} and for {1.0: ..}.
     def fn(d):

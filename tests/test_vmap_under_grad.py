@@ -319,3 +319,14 @@ def test_block_scaled_casts_refuse_torchs_legacy_vmap_by_name(recipe, kernel):
     for i, v in enumerate(cotangents):
         for got, expected in zip(batched, torch.autograd.grad(y, (x, w), v, retain_graph=True)):
             assert torch.equal(got[i], expected)
+
+
+def test_quantizing_kernels_twins_stay_picklable():
+    # (the legacy-vmap naming wrapper is a class: a closure with the twin's qualified name failed
+    # pickle's by-reference lookup)
+    import pickle
+
+    from functe.kernels.quantize import ACT_OUTPUT_CAST_AMAX, MXFP8_CAST
+
+    for kernel in (ACT_OUTPUT_CAST_AMAX, MXFP8_CAST):
+        assert pickle.loads(pickle.dumps(kernel.twin)).__wrapped__ is kernel.twin.__wrapped__

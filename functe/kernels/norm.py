@@ -691,7 +691,7 @@ def _column_sums(t: Tensor) -> Tensor:
 
 
 def layer_norm_ref(
-    x: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centered_gamma: bool
+    x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered_gamma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """PyTorch twin of :func:`layer_norm`."""
     acc = compute_dtype(x.dtype)
