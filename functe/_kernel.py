@@ -437,12 +437,10 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
                 out = tuple(torch.stack(parts) for parts in zip(*members))
                 return out, tuple(0 for _ in out)
             return torch.stack(members), 0
+        if isinstance(rule, PerMember):  # (0 members, or more than its cap: as without a rule)
+            rule = None
         # (params beyond the passed arguments are defaulted, hence unbatched)
-        batched_params = (
-            rule is not None
-            and not isinstance(rule, PerMember)
-            and any(d is not None for i, d in enumerate(in_dims) if i in rule.params)
-        )
+        batched_params = rule is not None and any(d is not None for i, d in enumerate(in_dims) if i in rule.params)
         if isinstance(rule, Members) or (batched_params and rule.members is not None):
             moved = [
                 a if i in rule.params and d is None else _to_front(a, d, info.batch_size)
@@ -450,7 +448,7 @@ def _make_function(kernel: Kernel, run: Callable) -> type[torch.autograd.Functio
             ]
             out = rule.members(*moved)
             return out, tuple(0 for _ in out) if isinstance(out, tuple) else 0
-        if rule is None or batched_params or isinstance(rule, PerMember):  # (PerMember: 0 or many members)
+        if rule is None or batched_params:
             out = vmap_call(twin, tuple(in_dims), args)
         else:
             moved = [

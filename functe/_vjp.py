@@ -509,7 +509,7 @@ def _refuse_captured_derivatives(name: str, rules: tuple) -> None:
     captured = [c.cell_contents for rule in rules for c in rule.__closure__ if cell_filled(c)]
     with forward_ad._set_fwd_grad_enabled(True):  # (inside a Function's forward a dual reads as plain)
         for v in with_contents(captured):
-            if isinstance(v, Tensor) and (_differentiated(v) or any_tangent((v,))):
+            if differentiated(v):
                 raise ArgumentError(
                     f"functe.{name}: a rule uses {describe(v)} from its closure, and that tensor is "
                     "differentiated (it requires grad, or a torch.func transform or forward AD "
@@ -525,6 +525,12 @@ def cell_filled(cell) -> bool:
     except ValueError:
         return False
     return True
+
+
+def differentiated(v: Any) -> bool:
+    """Whether ``v`` is a tensor that autograd, a torch.func ``grad``/``jvp`` level or forward AD
+    differentiates (a ``vmap`` level alone does not)."""
+    return isinstance(v, Tensor) and (_differentiated(v) or any_tangent((v,)))
 
 
 def _differentiated(t: Tensor) -> bool:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import any_tangent
 from .._block_quantize import SR_DGRAD_STREAM, BlockRecipe, cast_block, operand_dtype, wgrad_operand
 from .._errors import ArgumentError
 from .._fp8_gemm import gemm_nt
 from .._recipe import NVFP4BlockScaling
 from .._seed import seed_tensor
 from .._trace import tracing
-from .._vjp import _differentiated, custom_vjp, quantized_first_order
+from .._vjp import custom_vjp, differentiated, quantized_first_order
 from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 
@@ -105,19 +104,13 @@ _block_linear = custom_vjp(
 )
 
 
-def _differentiable(values) -> bool:
-    """Whether a gradient can be taken through an op on ``values``: autograd or a torch.func ``grad``
-    / ``jvp`` level differentiates one (a ``vmap`` level alone does not: a seedless NVFP4 ensemble
-    served under ``no_grad`` was refused as if it trained)."""
-    return any(isinstance(t, Tensor) and _differentiated(t) for t in values) or any_tangent(values)
-
-
 def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, recipe: BlockRecipe, seed) -> Tensor:
     """The block-scaled quantized linear (arguments already validated by ``fp8_linear``, except the seed)."""
     if isinstance(recipe, NVFP4BlockScaling) and recipe.uses_seed:
-        if seed is None and not _differentiable((x, weight, bias)) and not tracing():
+        if seed is None and not any(map(differentiated, (x, weight, bias))) and not tracing():
             # (inference: the draws are the gradients' own, RHT on the wgrad operands and SR on dy;
-            # a trace's plan may serve training calls, so a fused function still needs the seed)
+            # a vmap level alone takes no gradient, a served ensemble; a trace's plan may serve
+            # training calls, so a fused function still needs the seed)
             return _block_linear(x, weight, bias, None, recipe=recipe)
         if seed is None:
             raise ArgumentError(
