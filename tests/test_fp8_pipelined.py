@@ -163,7 +163,9 @@ def test_combine_passes_a_bad_use_on_to_the_check():
     (_loss(w, x1, twice) + _loss(w, x2, twice)).backward()  # count 2: a copy used twice
     _loss(w, x1, once).backward()
     combined = functe.combine_state_gradients([_grads(once), _grads(twice)])
-    with pytest.raises(functe.StateError, match=r"state\.input, state\.weight was used more than once"):
+    with pytest.raises(
+        functe.StateError, match=r"state\.input, state\.weight, state\.grad_output was used more than once"
+    ):
         functe.state_from_gradient(state, combined)
     # a cut leaf (count 1 beside a zero scale cotangent) in one use spoils the combination too
     cut = _grads(once)

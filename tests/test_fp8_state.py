@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -159,6 +160,46 @@ def test_state_from_gradient_keeps_untouched_takes_used_rejects_doubled():
         functe.state_from_gradient({"fc1": old, "fc2": old}, {"fc1": untouched, "fc2": doubled})
     poisoned = functe.state_from_gradient(old, doubled, check=False)  # no sync: NaN makes it visible later
     assert poisoned.scale.isnan() and poisoned.amax_history.isnan().all()
+
+
+def test_state_from_gradient_of_many_states_equals_each_alone_and_each_owns_its_storage():
+    # States of one shape are updated as one stack: every outcome (kept, taken, doubled, a cut leaf,
+    # a missing half) must be the state's own update bit for bit, and no next state may be a view
+    # into a shared buffer (saving one state would write them all; safetensors refuses it).
+    g = torch.Generator().manual_seed(0)
+    states, grads = {}, {}
+    cases = ["taken", "kept", "doubled", "scale_cut", "no_history", "no_scale", "none", "nan_count"]
+    for i in range(24):
+        history_len, shape = (1, 4, 16)[i % 3], ((), (3,))[i % 2]
+        old = functe.ScalingState(torch.rand(shape, generator=g) * 9, torch.rand(*shape, history_len, generator=g))
+        if i % 5 == 0:  # (the classic route: leaves that require grad)
+            old = functe.ScalingState(old.scale.requires_grad_(), old.amax_history.requires_grad_())
+        history = torch.rand(*shape, history_len, generator=g)
+        case = cases[i % len(cases)]
+        history[..., 0] = {"kept": 0.0, "doubled": 2.0, "nan_count": float("nan")}.get(case, 1.0)
+        scale = torch.zeros(shape) if case in ("scale_cut", "kept") else torch.rand(shape, generator=g) + 1
+        grads[f"s{i}"] = {
+            "none": None,
+            "no_history": functe.ScalingState(scale, None),
+            "no_scale": functe.ScalingState(None, history),
+        }.get(case, functe.ScalingState(scale, history))
+        states[f"s{i}"] = old
+    together = functe.state_from_gradient(states, grads, check=False)
+    storages = set()
+    for key, old in states.items():
+        alone = functe.state_from_gradient(old, grads[key], check=False)
+        for name in ("scale", "amax_history"):
+            got, want = getattr(together[key], name), getattr(alone, name)
+            assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32)), key
+            assert got.is_leaf and got.requires_grad == getattr(old, name).requires_grad
+            if grads[key] is not None:  # (a kept state's leaves alias the old ones, as before)
+                assert got.untyped_storage().nbytes() == got.numel() * 4, (key, name)
+                storages.add(got.untyped_storage().data_ptr())
+    assert len(storages) == 2 * sum(ct is not None for ct in grads.values())
+    bad = {"doubled", "scale_cut", "no_history", "no_scale", "nan_count"}  # (a cut leaf or a count not 0 or 1)
+    named = ", ".join(f"state.{key}" for key in sorted(states) if cases[int(key[1:]) % len(cases)] in bad)
+    with pytest.raises(functe.StateError, match=f"the scaling state at {re.escape(named)} was used more than once"):
+        functe.state_from_gradient(states, grads)
 
 
 def test_state_from_gradient_rejects_loose_tensors():
