@@ -43,6 +43,7 @@ from ._fuse import Plan as Plan
 from ._fuse import RetraceWarning as RetraceWarning
 from ._fuse import explain as explain
 from ._fuse import fuse as fuse
+from ._opaque import opaque as opaque
 from ._oplist import Eqn as Eqn
 from ._oplist import Literal as Literal
 from ._oplist import OpList as OpList
@@ -61,7 +62,6 @@ from ._recipe import NVFP4BlockScaling as NVFP4BlockScaling
 from ._state import ScalingState as ScalingState
 from ._state import init_scaling_state as init_scaling_state
 from ._trace import UnwatchedConstantWarning as UnwatchedConstantWarning
-from ._trace import opaque as opaque
 from ._trace import trace as trace
 from ._train import value_and_grad as value_and_grad
 from ._tree import pytree_dataclass as pytree_dataclass

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import _trace
+from . import _reach, _trace
 from ._autocast import autocast_state
 from ._backend import any_tangent, get_backend
 from ._errors import (
@@ -377,7 +377,7 @@ class Fused:
             except TraceError as e:
                 if hasattr(e, "capture") and _trace._plain_trainable(e.capture[1]):
                     # (a tensor a transform sees, a module's under functional_call: the trace's own words)
-                    _name_module_parameter(e, [*_trace._reached(self.__wrapped__), *called])
+                    _name_module_parameter(e, [*_reach._reached(self.__wrapped__), *called])
                 raise
             self._folded.share(program)
             self.trace_count += 1
@@ -392,7 +392,7 @@ class Fused:
             )
             # (the modules fn reaches by name: a plan that took some of their parameters or buffers
             # as constants checks at each call that their names still give those tensors)
-            modules = {id(v): v for v in _trace._reached(self.__wrapped__) if isinstance(v, torch.nn.Module)}
+            modules = {id(v): v for v in _reach._reached(self.__wrapped__) if isinstance(v, torch.nn.Module)}
             # (the modules it called: a module passed as an argument, held in a dict or an object)
             self._called.update((id(m), m) for m in called)
             self._find_modules()

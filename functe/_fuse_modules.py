@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _trace
+from . import _reach
 from ._errors import (
     TraceError,
     describe,
@@ -36,7 +36,7 @@ def _named_tensor(owner: torch.nn.Module, modules: tuple[str, ...], name: str) -
 def _submodules(fn: Callable) -> list[torch.nn.Module]:
     """The modules ``fn`` reaches by name and all their submodules, each once."""
     found: dict[int, torch.nn.Module] = {}
-    for v in _trace._reached(fn):
+    for v in _reach._reached(fn):
         if isinstance(v, torch.nn.Module):
             found.update((id(m), m) for m in v.modules())
     return list(found.values())

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _trace
+from . import _reach
 from ._autocast import without_autocast
 from ._backend import unaliased_outputs
 from ._codegen import _generate, _Liveness, _outside_outputs, _owners
@@ -21,9 +21,9 @@ from ._errors import (
 )
 from ._fuse_modules import _MODULE_REMEDY, _named_tensor, _named_tensors
 from ._kernel import formula_twins
+from ._opaque import vjp_call
 from ._oplist import LEAF, Literal, OpList, Var, _op_names, format_oplist, without_dead_code
 from ._rng import RandomState
-from ._trace import vjp_call
 from ._tree import (
     argument_labels,
     tree_flatten,
@@ -111,11 +111,11 @@ class Plan:
         # Captured tensors whose values the trace folded into constants (weakly: a freed one cannot
         # change), with their version counters and requires_grad: an in-place update, or a tensor
         # starting to require grad, makes the plan stale (retraced), see _trace._CapturedWatch.
-        self.sources = [(weakref.ref(t), t._version, t.requires_grad, _trace.storage_of(t)) for t in sources]
+        self.sources = [(weakref.ref(t), t._version, t.requires_grad, _reach.storage_of(t)) for t in sources]
         # Captured tensors the program holds views of (w.t(), w[:n], w.data), with their storages: a
         # view reads its tensor's values live, but a tensor given a new storage (w.data = ...,
         # module.half().float()) leaves the view on the old one, which the plan kept computing with.
-        self.viewed = [(weakref.ref(t), _trace.storage_of(t)) for t in viewed]
+        self.viewed = [(weakref.ref(t), _reach.storage_of(t)) for t in viewed]
         self.bindings: list[tuple] = []  # (see bind)
         self.checks_captured = bool(self._captured or self._opaque_eqns)
         full = self.variant(None)
@@ -153,7 +153,7 @@ class Plan:
         taken = {id(t) for t in self._captured} | {id(t) for t in sources}
         # (a module tensor the program reads through a view, w.t() or w.chunk(3), shares its storage:
         # bound too, so that load_state_dict(assign=True) or functional_call retraces)
-        viewed = {_trace.storage_of(t) for t in self._captured}
+        viewed = {_reach.storage_of(t) for t in self._captured}
         seen, bound_views = set(), set()
         for owner in modules:
             for name, t in _named_tensors(owner):  # (every name of a tied tensor: rebinding any one of them unties it)
@@ -161,10 +161,10 @@ class Plan:
                 holder = functools.reduce(getattr, path[:-1], owner)
                 if (id(holder), path[-1]) in seen:
                     continue
-                if id(t) in taken or _trace.storage_of(t) in viewed:
+                if id(t) in taken or _reach.storage_of(t) in viewed:
                     seen.add((id(holder), path[-1]))
                     # (a tensor read through a view: its storage is checked with its name, one check)
-                    storage = None if id(t) in taken else _trace.storage_of(t)
+                    storage = None if id(t) in taken else _reach.storage_of(t)
                     self.bindings.append((owner, path[:-1], path[-1], t, t.dtype, t.shape, storage))
                     if storage is not None:
                         bound_views.add(id(t))
@@ -181,7 +181,7 @@ class Plan:
                 if not isinstance(bn, torch.nn.modules.batchnorm._NormBase) or not isinstance(count, Tensor):
                     continue
                 if id(bn.running_mean) in sources or id(bn.running_var) in sources:
-                    self.sources.append((weakref.ref(count), count._version, False, _trace.storage_of(count)))
+                    self.sources.append((weakref.ref(count), count._version, False, _reach.storage_of(count)))
 
     @property
     def watches(self) -> bool:
@@ -199,12 +199,12 @@ class Plan:
         for ref, version, requires_grad, storage in self.sources:
             t = ref()
             if t is not None and (
-                t._version != version or t.requires_grad != requires_grad or _trace.storage_of(t) != storage
+                t._version != version or t.requires_grad != requires_grad or _reach.storage_of(t) != storage
             ):
                 return True  # (a new storage: p.data = ..., set_())
         for ref, storage in self.viewed:
             t = ref()
-            if t is not None and _trace.storage_of(t) != storage:
+            if t is not None and _reach.storage_of(t) != storage:
                 return True
         return False
 
@@ -216,7 +216,7 @@ class Plan:
         for owner, modules, name, t, dtype, shape, storage in self.bindings:  # (~1 µs each: one per captured weight)
             if _named_tensor(owner, modules, name) is not t or t.dtype is not dtype or t.shape != shape:
                 return True  # (a device move changes the arguments' devices too: a new signature)
-            if storages and storage is not None and _trace.storage_of(t) != storage:
+            if storages and storage is not None and _reach.storage_of(t) != storage:
                 return True
         return False
 

@@ -442,7 +442,7 @@ class CustomVJP:
             return _opaque_op(copied, self.opaque_name)  # (memoised on the copy itself: freed with it)
         # (any other callable's op is memoised in a global table keyed by it: the copy's op is made
         # unmemoised, or each deepcopy would stay alive in that table)
-        from ._trace import new_opaque_op
+        from ._opaque import new_opaque_op
 
         return new_opaque_op(copied, self.opaque_name)
 
@@ -451,7 +451,7 @@ class CustomVJP:
 
 
 def _opaque_op(fn: Callable, name: str | None) -> CustomVJP:
-    from ._trace import opaque  # (the trace module imports this one)
+    from ._opaque import opaque  # (the opaque module imports this one)
 
     return opaque(fn, name=name)
 

@@ -143,7 +143,7 @@ def test_a_deep_copy_of_a_module_holding_an_opaque_op_calls_its_own_submodule():
 def test_a_deep_copy_of_an_opaque_callable_object_leaves_no_global_entry():
     # (a callable object's op lives in a global table keyed by it: an op made per deepcopy kept each
     # copy, and its tensors, alive for the process)
-    from functe import _trace
+    from functe import _opaque
 
     class Scale:
         def __init__(self):
@@ -153,9 +153,9 @@ def test_a_deep_copy_of_an_opaque_callable_object_leaves_no_global_entry():
             return x * self.factor
 
     scale = Scale()
-    op, before = functe.opaque(scale), len(_trace._OPAQUE)
+    op, before = functe.opaque(scale), len(_opaque._OPAQUE)
     for _ in range(5):
         holder = copy.deepcopy({"scale": scale, "op": op})
         holder["scale"].factor.fill_(3.0)  # (the copy's op calls the copied object)
         assert torch.equal(holder["op"](torch.ones(4)), torch.full((4,), 3.0))
-    assert len(_trace._OPAQUE) == before and torch.equal(op(torch.ones(4)), torch.full((4,), 2.0))
+    assert len(_opaque._OPAQUE) == before and torch.equal(op(torch.ones(4)), torch.full((4,), 2.0))

@@ -293,9 +293,9 @@ def test_opaque_functions_are_one_equation_with_static_keywords():
 
 
 def test_opaque_ops_of_fresh_lambdas_are_freed_and_wrapped_functions_get_their_own():
-    from functe import _trace
+    from functe import _opaque
 
-    before, refs = len(_trace._OPAQUE), []
+    before, refs = len(_opaque._OPAQUE), []
     for k in range(4):  # a new lambda every step, as eager code may make one
         f = lambda x, k=k: x * k
         op = functe.opaque(f)
@@ -303,7 +303,7 @@ def test_opaque_ops_of_fresh_lambdas_are_freed_and_wrapped_functions_get_their_o
         refs.append(weakref.ref(op))
     del f, op
     gc.collect()
-    assert len(_trace._OPAQUE) == before and all(r() is None for r in refs)
+    assert len(_opaque._OPAQUE) == before and all(r() is None for r in refs)
 
     def inner(x):
         return x + 1
@@ -322,9 +322,9 @@ def test_opaque_ops_of_fresh_lambdas_are_freed_and_wrapped_functions_get_their_o
 def test_opaque_ops_of_modules_and_bound_methods_are_freed_with_them():
     # A global table keyed by the module (or by the bound method, which holds its object) kept every
     # model of a sweep alive with its parameters; the ops now live on the object.
-    from functe import _trace
+    from functe import _opaque
 
-    before, refs = len(_trace._OPAQUE), []
+    before, refs = len(_opaque._OPAQUE), []
     for _ in range(3):
         model = torch.nn.Linear(4, 4).requires_grad_(False)
         op, method_op = functe.opaque(model), functe.opaque(model.forward)
@@ -335,7 +335,7 @@ def test_opaque_ops_of_modules_and_bound_methods_are_freed_with_them():
     assert functe.opaque(copied) is not op and functe.opaque(model) is op
     del model, op, method_op, copied
     gc.collect()
-    assert len(_trace._OPAQUE) == before and all(r() is None for r in refs)
+    assert len(_opaque._OPAQUE) == before and all(r() is None for r in refs)
 
     class Scale:  # (a callable object: its ops are not written into its __dict__, which vars() shows)
         def __call__(self, x):
