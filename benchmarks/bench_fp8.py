@@ -9,7 +9,8 @@ CPU (what functe's CI machine has):
   (goal: fp8 / bf16-eager <= 1.3x: the quantization passes must be cheap next to the GEMMs);
 * the emulated FP8 GEMM against ``torch._scaled_mm`` on the CPU (correct but slow there);
 * quantize (amax + cast) of a 4096 x 4096 bf16 tensor: functe's twin against the same formula in
-  torch eager and torch.compile.
+  torch eager and torch.compile;
+* ``state_from_gradient`` over 64 linears' scaling states, one call against one per state.
 
 GPU (only when CUDA is available; never run in CI): cast + amax bandwidth against a copy (goal
 >= 85%), FP8 GEMM (``torch._scaled_mm``) against the bf16 GEMM at 8192^3 (goal >= 1.5x).
@@ -156,6 +157,31 @@ def bench_gpu(n_gemm: int, n_cast: int) -> str:
     return "\n\n".join(lines)
 
 
+def bench_state_update(layers: int, rounds: int) -> str:
+    """``state_from_gradient`` over the states of ``layers`` FP8 linears (3 per linear), one call over
+    the whole tree (its states updated as one stack) against one call per state (the update's ~15
+    ops each; unchecked, where the whole call checks its counts with one host read), one thread, CPU
+    time: the per-step cost of threading delayed-scaling states."""
+    recipe = functe.DelayedScaling(amax_history_len=16)
+    state = {f"layer{i}": functe.init_linear_scaling_state(recipe) for i in range(layers)}
+
+    def used(s: functe.ScalingState) -> functe.ScalingState:  # a cotangent as an op's backward returns it
+        history = s.amax_history.clone()
+        history[0] = 1.0
+        return functe.ScalingState(torch.full((), 2.0), history)
+
+    roles = ("input", "weight", "grad_output")
+    grad = {k: functe.LinearScalingState(*(used(getattr(v, r)) for r in roles)) for k, v in state.items()}
+    pairs = [(getattr(state[k], role), getattr(grad[k], role)) for k in state for role in roles]
+    impls = {
+        "per state": lambda: [functe.state_from_gradient(s, g, check=False) for s, g in pairs],
+        "functe": lambda: functe.state_from_gradient(state, grad),
+    }
+    times = _interleaved(impls, rounds, warmup=2, cpu_time=True)
+    title = f"state_from_gradient, {layers} FP8 linears ({3 * layers} states), 1 thread, CPU time"
+    return table(title, [(f"{layers} linears", times)], baseline="per state")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="1024-sized CPU cases (a quick check)")
@@ -173,6 +199,8 @@ def main() -> None:
     print(bench_gemm_emulation(n // 2, reps))
     print()
     print(bench_quantize(n, "cpu", reps + 2))
+    print()
+    print(bench_state_update(64, 15))
     if torch.cuda.is_available():
         print()
         print(bench_linear(8192, "cuda", 10))

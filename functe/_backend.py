@@ -178,6 +178,16 @@ def donatable(target: torch.Tensor, others) -> bool:
     return all(t.untyped_storage().data_ptr() != storage.data_ptr() for t in others)
 
 
+def result_view(x: torch.Tensor) -> torch.Tensor:
+    """An op that returns its argument unchanged (dropout with p = 0, a collective on one rank) returns
+    a view of it, not the caller's tensor itself: a result the caller then donates
+    (``add_extra_input(..., in_place=True)``) would be written with the caller's tensor, where a view
+    counts as another holder of its storage (:func:`donatable`). A trace's value or a fake tensor passes
+    through unchanged (a trace records no op here), and so do sparse and nested tensors (no view_as)."""
+    plain = type(x) in PLAIN_TENSOR_TYPES and x.layout is torch.strided and not x.is_nested
+    return x.view_as(x) if plain else x
+
+
 _unpack_dual = torch._VF._unpack_dual
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # (torch.func's own duals: not read here)
 

@@ -56,6 +56,11 @@ def _distinct(outputs: tuple, inputs: tuple) -> tuple:
     return tuple(result)
 
 
+def _apart_from(outputs: tuple, inputs: tuple) -> tuple:
+    """``outputs`` with a view in place of any tensor that is one of ``inputs`` (see _generate's infer)."""
+    return tuple(t.view_as(t) if isinstance(t, Tensor) and any(t is i for i in inputs) else t for t in outputs)
+
+
 def _zeros(meta) -> Tensor:
     shape, dtype, device = meta
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -133,6 +138,7 @@ class _Emitter:
             "_acc": _acc,
             "_zeros": _zeros,
             "_distinct": _distinct,
+            "_apart_from": _apart_from,
             "_zeros_or": _zeros_or,
             "_bad_cotangents": _bad_cotangents,
             "_StepCheck": _StepCheck,
@@ -456,7 +462,19 @@ def _generate(
 
     def outputs(in_function: bool) -> str:
         if not in_function:
-            return em.pack([_output(em, a) for a in program.outputs], program.out_tree)
+            items = [_output(em, a) for a in program.outputs]
+            # An op's output that is the caller's own tensor at run time (identity's forward rule hands
+            # back its input) becomes a view, as the unfused op returns: a caller donating it
+            # (add_extra_input(..., in_place=True)) wrote their input. An input the function returns
+            # itself, or one value returned twice, stays the object the unfused function returns.
+            made = [k for k, a in enumerate(program.outputs) if isinstance(a, Var) and a not in program.inputs]
+            if made:
+                em.emit(
+                    f"_out = _apart_from(({''.join(items[k] + ', ' for k in made)}), ({inputs}{',' if inputs else ''}))"
+                )
+                for j, k in enumerate(made):
+                    items[k] = f"_out[{j}]"
+            return em.pack(items, program.out_tree)
         # Inside the Function: constants (a captured tensor the program returns) are left out and put
         # back by the caller (with_constants, below): as outputs of the Function, autograd would give
         # the caller's own tensor a grad_fn. So are the outputs built outside (see

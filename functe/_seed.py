@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import ArgumentError, DeviceError, as_int, dtype_error, shape_error
+from . import _vjp
+from ._errors import ArgumentError, DeviceError, as_int, describe, dtype_error, shape_error
 
 Tensor = torch.Tensor
 
@@ -42,4 +43,12 @@ def seed_tensor(seed, like: Tensor, op: str) -> Tensor:
         raise shape_error(op, "seed", "an i64[] tensor (one seed; vmap gives each member its own)", seed)
     if seed.device.type == "meta" and like.device.type != "meta":
         raise DeviceError(f"functe.{op}: argument 'seed' is on the meta device (no value), x on {like.device}")
-    return seed if seed.device == like.device else seed.to(like.device)
+    if seed.device == like.device:
+        return seed
+    if _vjp._recorder is not None:  # (tracing: an op list has no op that moves a tensor between devices)
+        raise DeviceError(
+            f"functe.{op}: argument 'seed' ({describe(seed)} on {seed.device}) must be on x's device "
+            f"({like.device}) in a traced or fused function, which records no copy between devices: "
+            "pass seed.to(x.device)"
+        )
+    return seed.to(like.device)

@@ -67,6 +67,25 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
     return step
 
 
+def _checked_loss(loss: Any, has_aux: bool) -> torch.Tensor:
+    """The loss, refused unless a 0-d floating-point tensor: an integer loss made every gradient zero
+    silently (torch.func differentiates it as a constant), and torch.func's own refusals named
+    ``grad_and_value(f)``, which the caller never called."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and (loss.is_floating_point() or loss.is_complex()):
+        return loss
+    what = "fn's loss (the first item of its result)" if has_aux else "fn's loss"
+    hint = ""
+    if isinstance(loss, torch.Tensor) and loss.dim() != 0:
+        hint = ": reduce it to one number (.sum(), .mean())"
+    elif isinstance(loss, torch.Tensor):
+        hint = ": an integer or boolean loss has no gradient (its gradients would all be zero)"
+    elif isinstance(loss, tuple) and not has_aux:
+        hint = ": a (loss, aux) pair needs has_aux=True"
+    raise ArgumentError(
+        f"functe.value_and_grad: {what} expected a 0-d floating-point tensor, got {describe(loss)}{hint}"
+    )
+
+
 def _not_compiled(fn: Callable) -> Callable:
     """``fn`` run eagerly inside a compiled caller (which Dynamo compiles around it): see _step."""
     reason = (
@@ -98,12 +117,13 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
         full_params, full = _with(param_leaves, trainable, p), _with(leaves, positions, tensors)
         out = fn(tree_unflatten(param_spec, full_params), tree_unflatten(spec, full), *args, **kwargs)
         if not has_aux:
-            return out
+            return _checked_loss(out, has_aux)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise ArgumentError(
                 f"functe.value_and_grad: with has_aux=True the function must return (loss, aux), got {describe(out)}"
             )
         loss, aux = out
+        loss = _checked_loss(loss, has_aux)
         aux_leaves, aux_spec = tree_flatten(aux)
         # (returned as given, the transform's tensors in it would be its dead wrappers; captured ones are fine)
         _refuse_hidden_tensors(

@@ -827,3 +827,24 @@ def test_kernel_level_random_kernels_refuse_a_32_bit_seed(on):
     for kernel, args in calls:
         with functe.use_backend("interpret"), pytest.raises(functe.DTypeError, match=r"'seed' expected an i64 tensor"):
             getattr(kernel, on)(*args)
+
+
+_LOSS = r"functe\.value_and_grad: fn's loss expected a 0-d floating-point tensor, "
+
+
+@pytest.mark.parametrize(
+    "result, has_aux, message",
+    [
+        (lambda y: y.sum().long(), False, _LOSS + r"got i64\[\]: an integer or boolean loss has no gradient"),
+        (lambda y: y, False, _LOSS + r"got f32\[4,2\]: reduce it to one number"),
+        (lambda y: (y.sum(), 1), False, _LOSS + r"got tuple: a \(loss, aux\) pair needs has_aux=True"),
+        (lambda y: 3.0, False, _LOSS + r"got float$"),
+        (lambda y: (y, None), True, r"fn's loss \(the first item of its result\) expected .* got f32\[4,2\]"),
+    ],
+)
+def test_value_and_grad_refuses_a_loss_that_is_not_a_floating_point_number(result, has_aux, message):
+    # (an integer loss gave all-zero gradients silently; the others raised torch.func's message
+    # about grad_and_value(f), a function the caller never called)
+    x, w = make((4, 3)), make((2, 3))
+    with pytest.raises(functe.ArgumentError, match=message):
+        functe.value_and_grad(lambda p, s, x: result(ops.linear(x, p["w"])), has_aux=has_aux)({"w": w}, None, x)

@@ -198,3 +198,15 @@ def test_an_int_seed_on_meta_tensors_under_grad():
     x = torch.empty(8, 16, device="meta")
     dx = torch.func.grad(lambda x: ops.dropout(x, 0.5, seed=7).sum())(x)
     assert dx.shape == x.shape and dx.device.type == "meta"
+
+
+def test_a_cpu_seed_beside_x_elsewhere_is_copied_eagerly_and_named_in_a_fused_function():
+    # (meta stands in for an accelerator: the same path. A trace records no copy between devices;
+    # the refusal named a Tensor.to the caller never wrote and suggested functe.opaque)
+    x, seed = torch.empty(4, 16, device="meta"), torch.tensor(7)
+    assert ops.dropout(x, 0.5, seed=seed).device.type == "meta"
+    message = r"functe\.dropout: argument 'seed' \(i64\[\] on cpu\) must be on x's device \(meta\) in a traced"
+    for transform in (functe.fuse, functe.trace):
+        with pytest.raises(functe.DeviceError, match=message):
+            transform(lambda x, s: ops.dropout(x, 0.5, seed=s))(x, seed)
+    assert functe.fuse(lambda x, s: ops.dropout(x, 0.5, seed=s))(x, seed.to("meta")).device.type == "meta"

@@ -240,3 +240,30 @@ def test_kernels_allocate_their_results_in_the_result_shape():
             results[f"layer_norm kernel output {i}"] = t
     views = [name for name, t in results.items() if t._is_view()]
     assert not views
+
+
+@pytest.mark.parametrize(
+    "returns_x",
+    [
+        lambda x: ops.all_reduce(x),  # (one rank: the identity)
+        lambda x: ops.all_gather(x),
+        lambda x: ops.reduce_scatter(x),
+        lambda x: ops.dropout(x, 0.0, seed=1),
+        lambda x: ops.identity(x),
+        functe.fuse(lambda x: ops.identity(x)),  # (identity's forward rule hands back its input)
+        lambda x: functe.fuse(lambda x: (ops.gelu(x), ops.identity(x)))(x)[1],
+    ],
+)
+def test_donating_a_result_equal_to_the_argument_leaves_the_caller_tensor_alone(returns_x):
+    # An op that returns its argument unchanged returns a view, not the caller's tensor: donating the
+    # result (add_extra_input(..., in_place=True)) then computes out of place. Before, the single-rank
+    # collectives and a fused identity (no grad) returned x itself, and the donation wrote x. (A
+    # function that returns its argument itself, or dropout with p = 0, whose trace records no op,
+    # returns x fused as unfused: test_fuse's aliasing test.)
+    x = make((4, 16))
+    before = x.clone()
+    with torch.no_grad():
+        y = returns_x(x)
+        assert y is not x and torch.equal(y, before)
+        out = ops.add_extra_input(torch.ones(4, 16), y, in_place=True)
+    assert torch.equal(x, before) and torch.equal(out, before + 1)

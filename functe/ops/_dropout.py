@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .._backend import result_view
 from .._errors import ArgumentError, check_tensor, python_scalar
 from .._seed import seed_tensor
 from .._vjp import custom_vjp
@@ -50,7 +51,7 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
         x: any shape, fp32/fp16/bf16/fp64.
         p: drop probability, a Python number in [0, 1).
         seed: a Python int or an ``int64`` 0-d tensor (on x's device, or on the
-            CPU, from where it is copied).
+            CPU, from where it is copied; in a traced or fused function, on x's device).
 
     Example:
         >>> import torch
@@ -68,9 +69,5 @@ def dropout(x: Tensor, p: float, *, seed: int | Tensor) -> Tensor:
     seed = seed_tensor(seed, x, "dropout")
     (x,) = autocast_inputs(x)  # (after the checks: they name what the caller passed)
     if p == 0:
-        # (a view, not x itself: a result that is the caller's own tensor was written by a donating
-        # op, add_extra_input(..., in_place=True); a view counts as another holder of its storage. A
-        # trace's value or a fake tensor passes through unchanged: a trace records no op here)
-        plain = type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout is torch.strided and not x.is_nested
-        return x.view_as(x) if plain else x  # (sparse and nested tensors have no view_as)
+        return result_view(x)  # (not x itself: see there)
     return _dropout(x, seed, p=static_float(p))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .._backend import result_view
 from .._collectives import Group, collective, meet_before_raising, resolve_group
 from .._errors import FuncteError, as_int, check_flag, check_tensor, shape_error
 from .._vjp import custom_vjp
@@ -85,7 +86,7 @@ def all_gather(x: Tensor, *, group: ProcessGroup | None = None, dim: int = 0) ->
         check_tensor("all_gather", "x", x, dtypes=None)
         dim = _dim("all_gather", x, dim)
     if g.size == 1:
-        return x
+        return result_view(x)  # (the identity, as a view: see there)
     return _all_gather(x, group=g, dim=dim)
 
 
@@ -120,7 +121,7 @@ def reduce_scatter(x: Tensor, *, group: ProcessGroup | None = None, dim: int = 0
         check_tensor("reduce_scatter", "x", x)
         dim = _dim("reduce_scatter", x, dim)  # (divisibility is checked after the cross-rank check)
     if g.size == 1:
-        return x
+        return result_view(x)  # (the identity, as a view: see there)
     return _reduce_scatter(x, group=g, dim=dim)
 
 
@@ -160,5 +161,5 @@ def all_reduce(x: Tensor, *, group: ProcessGroup | None = None, reduce_in_backwa
         check_tensor("all_reduce", "x", x)
         reduce_in_backward = check_flag("all_reduce", "reduce_in_backward", reduce_in_backward)
     if g.size == 1:
-        return x
+        return result_view(x)  # (the identity, as a view: see there)
     return _all_reduce(x, group=g, reduce_in_backward=reduce_in_backward)
