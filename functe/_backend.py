@@ -29,9 +29,10 @@ from ._scoped import ScopedSetting
 BACKENDS = ("auto", "torch", "interpret")
 
 
-def _validated(name: str, source: str) -> str:
+def _validated(name: str, where: str) -> str:
+    """``name`` if it is a backend; ``where`` says where it was given, as the message starts."""
     if name not in BACKENDS:
-        raise ArgumentError(f"functe backend from {source} must be one of {BACKENDS}, got {name!r}")
+        raise ArgumentError(f"{where} expected one of {BACKENDS}, got {name!r}")
     return name
 
 
@@ -43,7 +44,10 @@ def _publish(name: str) -> None:
 # A plain module global, not a ContextVar: torch.compile cannot trace
 # ContextVar.get, and reads of a global are guarded (a change recompiles).
 _current = "auto"
-_setting = ScopedSetting(_validated(os.environ.get("FUNCTE_BACKEND", "auto") or "auto", "FUNCTE_BACKEND"), _publish)
+_setting = ScopedSetting(
+    _validated(os.environ.get("FUNCTE_BACKEND", "auto") or "auto", "functe: the environment variable FUNCTE_BACKEND"),
+    _publish,
+)
 
 
 def get_backend() -> str:
@@ -67,7 +71,7 @@ def set_backend(name: str) -> None:
         'torch'
         >>> functe.set_backend(previous)  # (or functe.use_backend for a scoped change)
     """
-    _setting.set_default(_validated(name, "set_backend"))
+    _setting.set_default(_validated(name, "functe.set_backend: argument 'name'"))
 
 
 @contextlib.contextmanager
@@ -85,7 +89,7 @@ def use_backend(name: str):
         >>> y.tolist()
         [2.0, 2.0, 2.0]
     """
-    with _setting.scoped(_validated(name, "use_backend")):
+    with _setting.scoped(_validated(name, "functe.use_backend: argument 'name'")):
         yield
 
 
@@ -183,9 +187,9 @@ def result_view(x: torch.Tensor) -> torch.Tensor:
     a view of it, not the caller's tensor itself: a result the caller then donates
     (``add_extra_input(..., in_place=True)``) would be written with the caller's tensor, where a view
     counts as another holder of its storage (:func:`donatable`). A trace's value or a fake tensor passes
-    through unchanged (a trace records no op here), and so do sparse and nested tensors (no view_as)."""
-    plain = type(x) in PLAIN_TENSOR_TYPES and x.layout is torch.strided and not x.is_nested
-    return x.view_as(x) if plain else x
+    through unchanged (a trace records no op here). (Sparse and nested tensors, which have no view_as,
+    never get here: check_tensor refuses them.)"""
+    return x.view_as(x) if type(x) in PLAIN_TENSOR_TYPES else x
 
 
 _unpack_dual = torch._VF._unpack_dual

@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-from ._errors import StateError, describe
+from ._errors import ArgumentError, StateError, describe
 from ._tree import NAMESPACE
 
 
@@ -148,6 +148,7 @@ def save_tree(path: str | os.PathLike, tree: Any) -> None:
         ...     sorted(torch.load(os.path.join(d, "params.pt"), weights_only=True))
         ['w']
     """
+    _check_file_path("save_tree", path)
     flat = {k: v.detach().contiguous() for k, v in tree_to_dict(tree).items()}
     if str(path).endswith(".safetensors"):
         from safetensors.torch import save_file
@@ -156,6 +157,13 @@ def save_tree(path: str | os.PathLike, tree: Any) -> None:
     else:
         # (torch.save writes a view's whole storage: one row of a 1000x1000 tensor took 4 MB)
         torch.save({k: v.clone() if _shares_a_larger_storage(v) else v for k, v in flat.items()}, path)
+
+
+def _check_file_path(op: str, path: Any) -> None:
+    """Refuse a directory (torch's error was "[enforce fail at inline_container.cc]", safetensors'
+    "No such device"); a file object, which torch.save and torch.load take too, passes."""
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        raise ArgumentError(f"functe.{op}: argument 'path' expected a file path, got the directory {os.fspath(path)!r}")
 
 
 def _shares_a_larger_storage(t: torch.Tensor) -> bool:
@@ -174,6 +182,7 @@ def load_tree(path: str | os.PathLike, like: Any) -> Any:
         >>> torch.equal(back.amax_history, state.amax_history)
         True
     """
+    _check_file_path("load_tree", path)
     if str(path).endswith(".safetensors"):
         from safetensors.torch import load_file
 

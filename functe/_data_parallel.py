@@ -23,7 +23,7 @@ from ._collectives import check_same_layout, collective, meet_before_raising, re
 from ._errors import ArgumentError, DTypeError, check_flag, describe
 from ._fp8_state import flatten_states
 from ._state import ScalingState
-from ._train import value_and_grad
+from ._train import make_step
 from ._tree import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
@@ -127,12 +127,14 @@ def data_parallel_value_and_grad(
         >>> loss.item(), grads["w"].shape
         (9.0, torch.Size([2, 3]))
     """
-    local = value_and_grad(fn, has_aux=has_aux, check=check)
+    local = make_step("data_parallel_value_and_grad", fn, has_aux, check)
 
     def step(params, state, *args, **kwargs):
+        # (resolved here, not where the reduction is: its errors would name all_reduce_gradients)
+        g = resolve_group("data_parallel_value_and_grad", group)
         value, grads, next_state = local(params, state, *args, **kwargs)
         loss, aux = value if has_aux else (value, None)
-        loss, grads = all_reduce_gradients((loss, grads), group=group)
+        loss, grads = all_reduce_gradients((loss, grads), group=g)
         return ((loss, aux) if has_aux else loss), grads, next_state
 
     return step

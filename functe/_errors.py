@@ -135,13 +135,27 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def check_tensor(op: str, arg: str, value: Any, *, dtypes=FLOAT_DTYPES) -> torch.Tensor:
-    """Require a tensor of one of ``dtypes``; return it."""
+    """Require a dense tensor of one of ``dtypes``; return it."""
     if not isinstance(value, torch.Tensor):
         raise dtype_error(op, arg, "a tensor", value)
+    if value.layout is not torch.strided or value.is_nested:
+        # (no op takes a sparse or nested tensor: torch failed deep inside, "unsupported memory
+        # format option Contiguous", or a forward ran whose backward then failed)
+        raise ArgumentError(f"{_where(op, arg)} expected a dense tensor, got a {_layout(value)}")
     if dtypes is not None and value.dtype not in dtypes:
         names = "|".join(dtype_name(d) for d in dtypes)
         raise dtype_error(op, arg, f"dtype {names}", value)
     return value
+
+
+def _layout(value: torch.Tensor) -> str:
+    """A tensor of another layout described: ``sparse_coo f32[4,16]``, ``nested f32[2,j1,16]``."""
+    kind = "nested" if value.is_nested else str(value.layout).removeprefix("torch.").lstrip("_")
+    try:
+        shown = describe(value)
+    except RuntimeError:  # (a strided nested tensor has no sizes)
+        shown = f"{dtype_name(value.dtype)}[...]"
+    return f"{kind} {shown}"
 
 
 def check_same_dtype(
@@ -250,6 +264,22 @@ def shown_number(value: Any) -> str:
     string's), else :func:`describe`, cut to 40 characters (``10**400`` has 401 digits)."""
     shown = repr(value) if isinstance(value, (int, float, str)) or _numpy_scalar_kind(value) else describe(value)
     return shown if len(shown) <= 40 else f"{shown[:37]}..."
+
+
+def check_device(op: str, arg: str, value: Any) -> None:
+    """Require a device argument torch reads (None, a torch.device, an index or a device string such
+    as ``"cuda:0"``): a bad string was torch's "Invalid device string", naming neither op nor argument."""
+    if isinstance(value, str):
+        try:
+            torch.device(value)
+            return
+        except RuntimeError:
+            pass
+    elif value is None or isinstance(value, (torch.device, int)):
+        return
+    raise DeviceError(
+        f"{_where(op, arg)} expected a torch.device or a device string ('cpu', 'cuda:0'), got {shown_number(value)}"
+    )
 
 
 def check_same_device(op: str, tensors: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ import optree
 import torch
 
 from ._backend import has_values
-from ._errors import StateError, as_int, describe
+from ._errors import StateError, as_int, check_device, check_flag, describe
 from ._late_writes import watch_replaced, written_after_replacement
 from ._recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe
 from ._state import ScalingState, check_scaling_state, init_scaling_state
@@ -76,7 +76,9 @@ def init_linear_scaling_state(recipe: Recipe, *, device: torch.device | str | No
         True
     """
     # (the class itself, a string or None would otherwise read as a stateless recipe)
-    if not isinstance(check_recipe("init_linear_scaling_state", recipe), DelayedScaling):
+    stateful = isinstance(check_recipe("init_linear_scaling_state", recipe), DelayedScaling)
+    check_device("init_linear_scaling_state", "device", device)
+    if not stateful:
         return None
     make = lambda: init_scaling_state(recipe.amax_history_len, device=device)
     return LinearScalingState(input=make(), weight=make(), grad_output=make())
@@ -384,6 +386,7 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
         >>> functe.state_from_gradient({"fc1": old}, {"fc1": untouched})["fc1"].scale.item()
         1.0
     """
+    check = check_flag("state_from_gradient", "check", check)  # (bool("no") is True)
     old_leaves, spec = flatten_states(state)
     grad_leaves = _match(spec, grad)
     paths = spec.paths()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import StateError, as_int, describe
+from ._errors import StateError, as_int, check_device, describe, shown_number
 from ._tree import pytree_dataclass
 
 
@@ -48,8 +48,13 @@ def init_scaling_state(history_len: int = 1024, *, device: torch.device | str | 
         torch.Size([8])
     """
     length = as_int(history_len)
-    if length is None or length < 1:
-        raise StateError(f"functe.init_scaling_state: history_len must be an int >= 1, got {history_len!r}")
+    # (2**61 f32 values are 2**63 bytes, more than a tensor's size in bytes holds: torch's overflow error named nothing)
+    if length is None or not 1 <= length < 2**61:
+        raise StateError(
+            f"functe.init_scaling_state: argument 'history_len' expected an int from 1 to 2**61 - 1, "
+            f"got {shown_number(history_len)}"
+        )
+    check_device("init_scaling_state", "device", device)
     history_len = length
     return ScalingState(
         scale=torch.ones((), dtype=torch.float32, device=device),

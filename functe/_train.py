@@ -56,18 +56,23 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False, check: bool
         >>> state.input.amax_history.tolist(), state.input.scale.item()  # (448 / 1) / 2**0
         ([0.0, 0.0, 0.0, 1.0], 448.0)
     """
+    return make_step("value_and_grad", fn, has_aux, check)
 
-    check_callable("value_and_grad", "fn", fn)
-    has_aux = check_flag("value_and_grad", "has_aux", has_aux)
-    check = check_flag("value_and_grad", "check", check)
+
+def make_step(who: str, fn: Callable[..., Any], has_aux: Any, check: Any) -> Callable[..., Any]:
+    """:func:`value_and_grad`'s step, whose errors name ``functe.<who>``, the function the caller
+    called (:func:`functe.data_parallel_value_and_grad` makes one too)."""
+    check_callable(who, "fn", fn)
+    has_aux = check_flag(who, "has_aux", has_aux)
+    check = check_flag(who, "check", check)
 
     def step(params, state, *args, **kwargs):
-        return _step(fn, has_aux, check, params, state, args, kwargs)
+        return _step(who, fn, has_aux, check, params, state, args, kwargs)
 
     return step
 
 
-def _checked_loss(loss: Any, has_aux: bool) -> torch.Tensor:
+def _checked_loss(who: str, loss: Any, has_aux: bool) -> torch.Tensor:
     """The loss, refused unless a 0-d floating-point tensor: an integer loss made every gradient zero
     silently (torch.func differentiates it as a constant), and torch.func's own refusals named
     ``grad_and_value(f)``, which the caller never called."""
@@ -81,9 +86,7 @@ def _checked_loss(loss: Any, has_aux: bool) -> torch.Tensor:
         hint = ": an integer or boolean loss has no gradient (its gradients would all be zero)"
     elif isinstance(loss, tuple) and not has_aux:
         hint = ": a (loss, aux) pair needs has_aux=True"
-    raise ArgumentError(
-        f"functe.value_and_grad: {what} expected a 0-d floating-point tensor, got {describe(loss)}{hint}"
-    )
+    raise ArgumentError(f"functe.{who}: {what} expected a 0-d floating-point tensor, got {describe(loss)}{hint}")
 
 
 def _not_compiled(fn: Callable) -> Callable:
@@ -103,13 +106,15 @@ def _not_compiled(fn: Callable) -> Callable:
 # unflattened the state and parameters wrongly ("length mismatch"), and compiling a torch.func
 # transform would replace functe's backward rules anyway (pytorch#193279, README).
 @_not_compiled
-def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, args: tuple, kwargs: dict) -> tuple:
+def _step(
+    who: str, fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, args: tuple, kwargs: dict
+) -> tuple:
     leaves, spec = tree_flatten(state)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     param_leaves, param_spec = tree_flatten(params)
     # (a plain dataclass of weights was refused as "expected a floating-point tensor, got Params")
-    _refuse_hidden_tensors(params, param_leaves, "params", ArgumentError, "would take no gradient")
-    trainable = _trainable_positions(param_leaves, params)
+    _refuse_hidden_tensors(who, params, param_leaves, "params", ArgumentError, "would take no gradient")
+    trainable = _trainable_positions(who, param_leaves, params)
 
     aux_rest: list = []  # (the aux's non-tensor leaves and layout, which torch.func refuses to return)
 
@@ -117,29 +122,29 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
         full_params, full = _with(param_leaves, trainable, p), _with(leaves, positions, tensors)
         out = fn(tree_unflatten(param_spec, full_params), tree_unflatten(spec, full), *args, **kwargs)
         if not has_aux:
-            return _checked_loss(out, has_aux)
+            return _checked_loss(who, out, has_aux)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise ArgumentError(
-                f"functe.value_and_grad: with has_aux=True the function must return (loss, aux), got {describe(out)}"
+                f"functe.{who}: with has_aux=True the function must return (loss, aux), got {describe(out)}"
             )
         loss, aux = out
-        loss = _checked_loss(loss, has_aux)
+        loss = _checked_loss(who, loss, has_aux)
         aux_leaves, aux_spec = tree_flatten(aux)
         # (returned as given, the transform's tensors in it would be its dead wrappers; captured ones are fine)
         _refuse_hidden_tensors(
-            aux, aux_leaves, "aux", ArgumentError, "would be a finished transform's wrappers", wrapped_only=True
+            who, aux, aux_leaves, "aux", ArgumentError, "would be a finished transform's wrappers", wrapped_only=True
         )
         aux_rest[:] = [aux_leaves, aux_spec]
         return loss, [leaf for leaf in aux_leaves if isinstance(leaf, torch.Tensor)]
 
     # (an object optree cannot flatten is one opaque leaf: its scaling states would never enter the
     # gradient, and the state would silently never update)
-    _refuse_hidden_tensors(state, leaves, "state", StateError, "would never update")
+    _refuse_hidden_tensors(who, state, leaves, "state", StateError, "would never update")
     loose = loose_tensor(state)
     if loose is not None:  # (refused by state_from_gradient too, but only after the whole step had run)
         key, tensor = loose
         raise StateError(
-            f"functe.value_and_grad: argument 'state' (fn is called as fn(params, state, *args)) expected a "
+            f"functe.{who}: argument 'state' (fn is called as fn(params, state, *args)) expected a "
             f"pytree of functe.ScalingState leaves (or None), got a tensor {describe(tensor)} at {key}: a loss "
             "without scaling state takes it anyway (pass None), data goes after it"
         )
@@ -147,7 +152,7 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
     for i, t in zip(positions, tensors):
         if not t.is_floating_point():  # (torch.func would refuse it with a message naming nothing)
             raise StateError(
-                f"functe.value_and_grad: state leaf {_leaf_key(state, i)!r} expected a float32 "
+                f"functe.{who}: state leaf {_leaf_key(state, i)!r} expected a float32 "
                 f"tensor (states travel back through the gradient), got {describe(t)}"
             )
     trainable_params = [param_leaves[i] for i in trainable]
@@ -167,20 +172,20 @@ def _step(fn: Callable, has_aux: bool, check: bool, params: Any, state: Any, arg
 
 
 def _refuse_hidden_tensors(
-    tree: Any, leaves: list, what: str, error: type, why: str, *, wrapped_only: bool = False
+    who: str, tree: Any, leaves: list, what: str, error: type, why: str, *, wrapped_only: bool = False
 ) -> None:
     """Raise ``error`` for a leaf of ``tree`` that is an object holding tensors optree cannot flatten
     (``wrapped_only``: ``torch.func`` wrappers)."""
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) and hides_tensors(leaf, wrapped_only=wrapped_only):
             raise error(
-                f"functe.value_and_grad: {what} leaf {_leaf_key(tree, i) or f'(the {what} itself)'!r} is a "
+                f"functe.{who}: {what} leaf {_leaf_key(tree, i) or f'(the {what} itself)'!r} is a "
                 f"{type(leaf).__name__}, which functe cannot flatten (its tensors {why}): use "
                 "dicts, lists and tuples, or register the class with functe.pytree_dataclass"
             )
 
 
-def _trainable_positions(leaves: list, params: Any) -> list[int]:
+def _trainable_positions(who: str, leaves: list, params: Any) -> list[int]:
     """The positions of ``params``' tensor leaves; a ``None`` leaf (an absent bias) and a frozen
     ``nn.Parameter`` get a ``None`` gradient; anything else is refused naming its key (torch.func's
     message names nothing)."""
@@ -190,7 +195,7 @@ def _trainable_positions(leaves: list, params: Any) -> list[int]:
             continue
         if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
             raise ArgumentError(
-                f"functe.value_and_grad: params leaf {_leaf_key(params, i) or '(the params themselves)'!r} expected a "
+                f"functe.{who}: params leaf {_leaf_key(params, i) or '(the params themselves)'!r} expected a "
                 f"floating-point tensor or None, got {describe(leaf)}"
             )
         positions.append(i)

@@ -23,6 +23,8 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from ._errors import ArgumentError, check_callable, describe
+
 NAMESPACE = "functe"
 
 T = TypeVar("T")
@@ -48,7 +50,15 @@ def tree_unflatten(spec: PyTreeSpec, leaves) -> Any:
         >>> tree_unflatten(spec, [10, 20, 30])
         {'b': 30, 'a': (10, 20)}
     """
-    return optree.tree_unflatten(spec, leaves)
+    try:
+        return optree.tree_unflatten(spec, leaves)
+    except AttributeError:
+        # (checked after the fact, and not as isinstance: a spec Dynamo made is its polyfill's)
+        if hasattr(spec, "unflatten"):
+            raise
+        raise ArgumentError(
+            f"functe.tree_unflatten: argument 'spec' expected a PyTreeSpec, got {describe(spec)}"
+        ) from None
 
 
 def tree_leaves(tree: Any) -> list[Any]:
@@ -150,6 +160,7 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
         >>> tree_map(lambda t: None if t is None else t * 2, {"fc1": None, "fc2": 3})
         {'fc1': None, 'fc2': 6}
     """
+    check_callable("tree_map", "fn", fn)
     return optree.tree_map(fn, tree, *rests, none_is_leaf=True, namespace=NAMESPACE)
 
 
@@ -200,6 +211,8 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         >>> g.a.tolist()
         [3.0, 3.0]
     """
+    if not isinstance(cls, type):
+        raise ArgumentError(f"functe.pytree_dataclass: argument 'cls' expected a class, got {describe(cls)}")
     cls = dataclasses.dataclass(frozen=True)(cls)
     names = tuple(f.name for f in dataclasses.fields(cls))
     cls.__functe_pytree_fields__ = names  # (generated code rebuilds such nodes itself: functe._codegen)

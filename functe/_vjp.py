@@ -58,7 +58,7 @@ from torch.autograd import forward_ad
 
 from ._autocast import without_autocast
 from ._backend import PLAIN_TENSOR_TYPES, any_tangent, forward_ad_active, unaliased_outputs
-from ._errors import ArgumentError, RuleError, TransformError, called_as, describe, describe_shape
+from ._errors import ArgumentError, RuleError, TransformError, called_as, check_flag, describe, describe_shape
 from ._kernel import (
     _with,
     empty_batched,
@@ -306,6 +306,9 @@ class CustomVJP:
     ):
         if not isinstance(name, str) or not name:
             raise RuleError(f"functe.custom_vjp: argument 'name' expected a non-empty str, got {describe(name)}")
+        symbolic_zeros = check_flag("custom_vjp", "symbolic_zeros", symbolic_zeros)
+        needs_input_grad = check_flag("custom_vjp", "needs_input_grad", needs_input_grad)
+        keep_autocast = check_flag("custom_vjp", "keep_autocast", keep_autocast)
         if batching not in ("forward", None):
             raise RuleError(f"functe.custom_vjp: op {name}: batching must be 'forward' or None, got {batching!r}")
         for arg, rule in (("fwd", fwd), ("bwd", bwd), ("prune_residuals", prune_residuals)):

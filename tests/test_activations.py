@@ -284,8 +284,15 @@ def test_interleave_must_divide_half_the_last_dimension():
         ops.swiglu(torch.zeros(2, 12), interleave=4)
     with pytest.raises(TypeError, match=r"'interleave' expected a positive int or None, got 0"):
         ops.swiglu(torch.zeros(2, 12), interleave=0)
-    with pytest.raises(ValueError, match=r"functe\.gelu: argument 'interleave' applies to gated activations only"):
+    # (ops.activation's errors named the activation, functe.gelu, as if ops.gelu had been called)
+    with pytest.raises(
+        functe.ArgumentError,
+        match=r"functe\.activation: argument 'interleave' applies to gated activations only \('gelu' is not gated\), "
+        r"got 2",
+    ):
         ops.activation(torch.zeros(2, 12), "gelu", interleave=2)
+    with pytest.raises(functe.DTypeError, match=r"^functe\.activation: argument 's' expected dtype of 'x' f32\[2,12\]"):
+        ops.activation(torch.zeros(2, 12), "swiglu", torch.zeros(2, dtype=torch.float16))
 
 
 def test_scale_shape_dtype_and_parameter_errors():

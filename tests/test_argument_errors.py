@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import types
 
 import pytest
@@ -561,7 +562,11 @@ _DS = functe.DelayedScaling(amax_history_len=4)
         (lambda: functe.init_linear_scaling_state(functe.DelayedScaling), functe.RecipeError, r"'recipe' expected"),
         (lambda: functe.init_linear_scaling_state("delayed"), functe.RecipeError, r"'recipe' expected"),
         (lambda: functe.init_linear_scaling_state(None), functe.RecipeError, r"'recipe' expected"),
-        (lambda: functe.init_scaling_state(True), functe.StateError, r"history_len must be an int >= 1, got True"),
+        (
+            lambda: functe.init_scaling_state(True),
+            functe.StateError,
+            r"argument 'history_len' expected an int from 1 to 2\*\*61 - 1, got True",
+        ),
         (
             lambda: functe.delayed_scaling_update(
                 _STATE, torch.tensor(1.0), recipe=functe.CurrentScaling(), role="input"
@@ -848,3 +853,175 @@ def test_value_and_grad_refuses_a_loss_that_is_not_a_floating_point_number(resul
     x, w = make((4, 3)), make((2, 3))
     with pytest.raises(functe.ArgumentError, match=message):
         functe.value_and_grad(lambda p, s, x: result(ops.linear(x, p["w"])), has_aux=has_aux)({"w": w}, None, x)
+
+
+# ----------------------------------------------------------------------------- a fifth sweep: raw errors
+
+
+def test_pytree_helpers_check_their_arguments():
+    # (AttributeError: 'int' object has no attribute '__module__', and the like; a raw TypeError)
+    for bad, got in ((3, "int"), (lambda: 0, "function")):
+        with pytest.raises(
+            functe.ArgumentError, match=rf"^functe\.pytree_dataclass: argument 'cls' expected a class, got {got}$"
+        ):
+            functe.pytree_dataclass(bad)
+    with pytest.raises(
+        functe.ArgumentError, match=r"^functe\.tree_unflatten: argument 'spec' expected a PyTreeSpec, got str$"
+    ):
+        functe.tree_unflatten("spec", [X])
+    with pytest.raises(functe.ArgumentError, match=r"^functe\.tree_map: argument 'fn' expected a function, got int$"):
+        functe.tree_map(3, {"a": X})
+    spec = functe.tree_structure({"a": 1, "b": (2, None)})
+    assert functe.tree_unflatten(spec, [1, 2, None]) == {"a": 1, "b": (2, None)}
+
+
+def test_state_initialisers_check_device_and_history_length():
+    # (torch's "Invalid device string" and a raw overflow from torch.zeros, naming neither function)
+    device = r"argument 'device' expected a torch\.device or a device string \('cpu', 'cuda:0'\), got 'gpu0'$"
+    with pytest.raises(functe.DeviceError, match=rf"^functe\.init_scaling_state: {device}"):
+        functe.init_scaling_state(4, device="gpu0")
+    for recipe in (functe.DelayedScaling(), functe.CurrentScaling()):
+        with pytest.raises(functe.DeviceError, match=rf"^functe\.init_linear_scaling_state: {device}"):
+            functe.init_linear_scaling_state(recipe, device="gpu0")
+    with pytest.raises(functe.DeviceError, match=r"'device' expected a torch\.device .*, got 1\.5$"):
+        functe.init_scaling_state(4, device=1.5)
+    too_long = r"^functe\.init_scaling_state: argument 'history_len' expected an int from 1 to 2\*\*61 - 1, got "
+    for bad in (10**20, 2**61):
+        with pytest.raises(functe.StateError, match=too_long + str(bad)):
+            functe.init_scaling_state(bad)
+    assert functe.init_scaling_state(2**40, device="meta").amax_history.shape == (2**40,)
+    for device in ("cpu", "cpu:0", torch.device("cpu"), None):
+        assert functe.init_scaling_state(2, device=device).scale.device.type == "cpu"
+
+
+def test_rewrite_takes_a_positive_int_max_rewrites():
+    # (max_rewrites="3" failed on '>' between int and str; 0 reported "no fixed point after 0 rewrites")
+    program = functe.trace(lambda x, w, r: ops.linear(x, w) + r)(make((4, 8)), make((16, 8)), make((4, 16)))
+    for bad, got in (("3", "'3'"), (None, "None"), (0, "0"), (2.0, "2.0"), (True, "True")):
+        with pytest.raises(
+            functe.ArgumentError,
+            match=rf"^functe\.rules\.rewrite: argument 'max_rewrites' expected a positive int, got {got}$",
+        ):
+            functe.rules.rewrite(program, functe.rules.DEFAULT_RULES, "forward", max_rewrites=bad)
+    _, stats = functe.rules.rewrite(program, functe.rules.DEFAULT_RULES, "forward", max_rewrites=1)
+    assert stats.fired == {"forward_linear_bias_add": 1}
+
+
+def test_save_and_load_tree_refuse_a_directory(tmp_path):
+    # (torch: "[enforce fail at inline_container.cc:747] ... Is a directory"; safetensors: "No such device")
+    (tmp_path / "d.safetensors").mkdir()
+    for path in (tmp_path, str(tmp_path / "d.safetensors")):
+        shown = re.escape(str(path))
+        for op, call in (("save_tree", functe.save_tree), ("load_tree", functe.load_tree)):
+            with pytest.raises(
+                functe.ArgumentError,
+                match=rf"^functe\.{op}: argument 'path' expected a file path, got the directory '{shown}'$",
+            ):
+                call(path, {"a": X})
+    functe.save_tree(tmp_path / "t.pt", {"a": X})
+    assert torch.equal(functe.load_tree(tmp_path / "t.pt", {"a": X})["a"], X)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+def test_sparse_and_nested_tensors_are_refused_by_name():
+    # Sparse tensors reached the ops: layer_norm raised "unsupported memory format option Contiguous", gelu
+    # and quantize NotImplementedError for SparseCPU; a jagged tensor ran some forwards, whose backward
+    # then failed inside torch.
+    x = make((4, 16))
+    sparse = x.to_sparse()
+    dense = r"expected a dense tensor, got a "
+    with pytest.raises(functe.ArgumentError, match=rf"^functe\.gelu: argument 'x' {dense}sparse_coo f32\[4,16\]$"):
+        ops.gelu(sparse)
+    with pytest.raises(functe.ArgumentError, match=rf"^functe\.layer_norm: argument 'x' {dense}sparse_coo"):
+        ops.layer_norm(sparse, torch.ones(16), torch.zeros(16))
+    with pytest.raises(
+        functe.ArgumentError, match=rf"^functe\.linear: argument 'weight' {dense}sparse_csr f32\[8,16\]$"
+    ):
+        ops.linear(x, make((8, 16)).to_sparse_csr())
+    with pytest.raises(functe.ArgumentError, match=rf"^functe\.quantize: argument 'x' {dense}sparse_coo f32\[4,16\]$"):
+        functe.quantize(sparse, functe.CurrentScaling())
+    rows = [make((2, 16)), make((3, 16))]
+    jagged = torch.nested.nested_tensor(rows, layout=torch.jagged)
+    with pytest.raises(
+        functe.ArgumentError, match=rf"^functe\.layer_norm: argument 'x' {dense}nested f32\[2,j\d+,16\]$"
+    ):
+        ops.layer_norm(jagged, torch.ones(16), torch.zeros(16))
+    with pytest.raises(functe.ArgumentError, match=rf"^functe\.gelu: argument 'x' {dense}nested f32\[\.\.\.\]$"):
+        ops.gelu(torch.nested.nested_tensor(rows))
+    assert_close(ops.gelu(x), F.gelu(x, approximate="tanh"))
+
+
+def test_collectives_name_a_dim_that_is_not_an_int():
+    # (reported as "argument 'x' expected a tensor with a dimension '0'")
+    for op in (ops.all_gather, ops.reduce_scatter):
+        for bad, got in (("0", "'0'"), (None, "None"), (True, "True"), (0.0, "0.0")):
+            with pytest.raises(
+                functe.ArgumentError, match=rf"^functe\.{op.__name__}: argument 'dim' expected an int, got {got}$"
+            ):
+                op(X, dim=bad)
+        with pytest.raises(
+            functe.ShapeError, match=rf"^functe\.{op.__name__}: argument 'x' expected a tensor with a dimension 2"
+        ):
+            op(X, dim=2)
+        assert torch.equal(op(X, dim=-1), X)  # (one rank: the identity, as a view)
+
+
+def test_data_parallel_value_and_grad_names_itself():
+    # (its errors named functe.value_and_grad, and a bad group functe.all_reduce_gradients)
+    who = r"^functe\.data_parallel_value_and_grad: "
+    with pytest.raises(functe.ArgumentError, match=who + r"argument 'fn' expected a function, got int$"):
+        functe.data_parallel_value_and_grad(3)
+    with pytest.raises(functe.ArgumentError, match=who + r"argument 'has_aux' expected a bool, got 'no'$"):
+        functe.data_parallel_value_and_grad(lambda p, s: p.sum(), has_aux="no")
+    with pytest.raises(functe.ArgumentError, match=who + r"argument 'check' expected a bool, got 'no'$"):
+        functe.data_parallel_value_and_grad(lambda p, s: p.sum(), check="no")
+    with pytest.raises(functe.ArgumentError, match=who + r"with has_aux=True the function must return \(loss, aux\)"):
+        functe.data_parallel_value_and_grad(lambda p, s: p.sum(), has_aux=True)(X, None)
+    with pytest.raises(
+        functe.ArgumentError, match=who + r"argument 'group' expected a torch\.distributed\.ProcessGroup"
+    ):
+        functe.data_parallel_value_and_grad(lambda p, s: p.sum(), group="dp")(X, None)
+    with pytest.raises(functe.ArgumentError, match=r"^functe\.value_and_grad: with has_aux=True"):
+        functe.value_and_grad(lambda p, s: p.sum(), has_aux=True)(X, None)
+    loss, grad, _ = functe.data_parallel_value_and_grad(lambda p, s: p.sum())(X, None)
+    assert loss.item() == X.sum().item() and torch.equal(grad, torch.ones_like(X))
+
+
+def test_recipe_methods_name_themselves_for_a_bad_role():
+    # (every one reported "functe.Format: unknown tensor role")
+    expected = r"argument 'role' expected one of \('input', 'weight', 'grad_output'\), got 'x'$"
+    calls = {
+        "DelayedScaling.dtype": lambda: functe.DelayedScaling().dtype("x"),
+        "CurrentScaling.max": lambda: functe.CurrentScaling().max("x"),
+        "NVFP4BlockScaling.dtype": lambda: functe.NVFP4BlockScaling().dtype("x"),
+        "NVFP4BlockScaling.max": lambda: functe.NVFP4BlockScaling().max("x"),
+        "NVFP4BlockScaling.block_shape": lambda: functe.NVFP4BlockScaling().block_shape("x"),
+        "Format.dtype": lambda: functe.Format.HYBRID.dtype("x"),
+    }
+    for method, call in calls.items():
+        with pytest.raises(functe.RecipeError, match=rf"^functe\.{method}: {expected}"):
+            call()
+    assert functe.DelayedScaling(fp8_format=functe.Format.HYBRID).max("grad_output") == 57344.0
+    assert functe.Float8BlockScaling().block_shape("weight") == (128, 128)
+
+
+def test_flags_that_read_any_truthy_value_are_refused():
+    # (check="no" was taken as True; symbolic_zeros="no" passed None cotangents to a rule expecting zeros,
+    # needs_input_grad="no" an unexpected keyword to the backward rule)
+    state = functe.init_scaling_state(2)
+    with pytest.raises(
+        functe.ArgumentError, match=r"^functe\.state_from_gradient: argument 'check' expected a bool, got 'no'$"
+    ):
+        functe.state_from_gradient({"a": state}, {"a": None}, check="no")
+    rules = (lambda x: (x * 2, None), lambda r, g: (2 * g,))
+    for flag in ("symbolic_zeros", "needs_input_grad", "keep_autocast"):
+        with pytest.raises(
+            functe.ArgumentError, match=rf"^functe\.custom_vjp: argument '{flag}' expected a bool, got 'no'$"
+        ):
+            functe.custom_vjp("twice", *rules, **{flag: "no"})
+    np = pytest.importorskip("numpy")
+    twice = functe.custom_vjp("twice", *rules, symbolic_zeros=np.bool_(True))
+    assert twice.symbolic_zeros is True and torch.equal(
+        torch.func.grad(lambda x: twice(x).sum())(X), torch.full_like(X, 2.0)
+    )

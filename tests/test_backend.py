@@ -31,8 +31,14 @@ def test_set_backend_and_bad_names():
         assert functe.get_backend() == "torch"
     finally:
         functe.set_backend("auto")
-    with pytest.raises(functe.FuncteError, match=r"must be one of \('auto', 'torch', 'interpret'\), got 'cuda'"):
+    with pytest.raises(
+        functe.ArgumentError,
+        match=r"^functe\.set_backend: argument 'name' expected one of \('auto', 'torch', 'interpret'\), got 'cuda'$",
+    ):
         functe.set_backend("cuda")
+    with pytest.raises(functe.ArgumentError, match=r"^functe\.use_backend: argument 'name' expected one of"):
+        with functe.use_backend("gpu"):
+            pass
 
 
 def test_environment_variable_selects_the_backend():
@@ -42,7 +48,7 @@ def test_environment_variable_selects_the_backend():
     assert out.stdout.strip() == "interpret"
     env["FUNCTE_BACKEND"] = "bogus"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "from FUNCTE_BACKEND must be one of" in bad.stderr
+    assert bad.returncode != 0 and "the environment variable FUNCTE_BACKEND expected one of" in bad.stderr
 
 
 def _count_calls(monkeypatch, module, name):

@@ -90,5 +90,5 @@ def test_check_scaling_state_errors():
     linear_state = dataclasses.replace(functe.init_linear_scaling_state(recipe), weight=split)
     with pytest.raises(functe.StateError, match=r"functe\.share_state: argument 'state\.weight\.scale' is on meta"):
         functe.share_state(linear_state, 2, recipe=recipe)
-    with pytest.raises(functe.StateError, match=r"history_len must be an int >= 1, got 0"):
+    with pytest.raises(functe.StateError, match=r"argument 'history_len' expected an int from 1 to 2\*\*61 - 1, got 0"):
         functe.init_scaling_state(0)

@@ -77,7 +77,8 @@ def _apply(op: str, x: Tensor, s: Tensor | None, name: str, interleave, clamp: d
     if interleave is not None:
         if not gated:
             raise ArgumentError(
-                f"functe.{op}: argument 'interleave' applies to gated activations only, got {interleave!r}"
+                f"functe.{op}: argument 'interleave' applies to gated activations only ({name!r} is not gated), "
+                f"got {interleave!r}"
             )
         k = as_int(interleave)
         if k is None or k < 1:
@@ -155,7 +156,7 @@ def activation(
         clamp = {k: _CLAMPED_DEFAULTS[k] if v is None else v for k, v in given.items()}
     elif unused := [k for k, v in given.items() if v is not None]:
         raise ArgumentError(f"functe.activation: '{name}' takes no parameter {', '.join(map(repr, unused))}")
-    return _apply(name, x, s, base, interleave, clamp)
+    return _apply("activation", x, s, base, interleave, clamp)
 
 
 # ----------------------------------------------------------------------------- elementwise

@@ -21,7 +21,7 @@ import torch
 
 from .._backend import result_view
 from .._collectives import Group, collective, meet_before_raising, resolve_group
-from .._errors import FuncteError, as_int, check_flag, check_tensor, shape_error
+from .._errors import ArgumentError, FuncteError, as_int, check_flag, check_tensor, shape_error, shown_number
 from .._vjp import custom_vjp
 
 if TYPE_CHECKING:
@@ -45,7 +45,9 @@ def _raising_together(x: object, group: Group) -> Iterator[None]:
 
 def _dim(op: str, x: Tensor, dim: object) -> int:
     index = as_int(dim)
-    if index is None or not -x.dim() <= index < x.dim():
+    if index is None:
+        raise ArgumentError(f"functe.{op}: argument 'dim' expected an int, got {shown_number(dim)}")
+    if not -x.dim() <= index < x.dim():
         raise shape_error(op, "x", f"a tensor with a dimension {dim!r}", x, "the dimension to gather or scatter along")
     return index % x.dim()
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .._errors import FuncteError, RuleError, TraceError, describe
+from .._errors import ArgumentError, FuncteError, RuleError, TraceError, as_int, describe, shown_number
 from .._oplist import Atom, Eqn, Literal, OpList, Var, check_oplist, is_none, toposort
 from .._pickling import global_name, named
 from .._rng import RandomState
@@ -735,5 +735,10 @@ def rewrite(
         raise RuleError(f"functe.rules.rewrite: argument 'rules' expected a RuleSet, got {describe(rules)}")
     if phase not in PHASES:
         raise RuleError(f"functe.rules.rewrite: phase must be one of {PHASES}, got {phase!r}")
-    rewriter = _Rewriter(rules.phase(phase), phase, recipe, max_rewrites)
+    limit = as_int(max_rewrites)
+    if limit is None or limit < 1:
+        raise ArgumentError(
+            f"functe.rules.rewrite: argument 'max_rewrites' expected a positive int, got {shown_number(max_rewrites)}"
+        )
+    rewriter = _Rewriter(rules.phase(phase), phase, recipe, limit)
     return rewriter.run(oplist), rewriter.stats
