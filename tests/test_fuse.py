@@ -7,6 +7,8 @@ import copy
 import dataclasses
 import functools
 import math
+import os
+import sys
 import threading
 import time
 import warnings
@@ -1406,6 +1408,70 @@ def test_cached_calls_never_read_tensor_data_on_the_host():
             fused(*args, scale=0.5)
         torch.func.grad(lambda *a: fused(*a, scale=0.5).sum())(*args)
     assert recorder.seen == [] and fused.trace_count == 1
+
+
+class _HostReads:
+    """Tensor methods that read a value to the host (a synchronisation on a GPU), watched while the
+    block runs: each call made by functe's own code (not torch's, not the Triton interpreter's launch
+    machinery) is noted with its file and line. Unlike a dispatch mode (see _SyncRecorder), this
+    sees into the Triton launchers: with a dispatch mode active functe routes launches through
+    custom ops, which the mode cannot see into."""
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+    def __init__(self, monkeypatch):
+        self.seen: list[str] = []
+        functe_dir, torch_dir = os.path.dirname(functe.__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep
+        launcher = os.path.join(functe_dir, "kernels", "_triton.py")
+
+        def watched(name, original):
+            def read(tensor, *args, **kwargs):
+                frame = sys._getframe(1)
+                while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+                    frame = frame.f_back
+                where = "" if frame is None else frame.f_code.co_filename
+                if where.startswith(functe_dir) and where != launcher:
+                    self.seen.append(f"Tensor.{name} at {os.path.relpath(where, functe_dir)}:{frame.f_lineno}")
+                return original(tensor, *args, **kwargs)
+
+            return read
+
+        for name in self.METHODS:
+            monkeypatch.setattr(torch.Tensor, name, watched(name, getattr(torch.Tensor, name)))
+
+
+def test_a_cached_fp8_training_step_on_the_triton_path_reads_nothing_to_the_host(monkeypatch):
+    # The GPU's code path (Triton kernels, here interpreted): a fused LayerNorm + FP8 MLP block with
+    # its norm+quantize, activation+quantize and backward fusions, stepped by value_and_grad and an
+    # SGD update. A CUDA graph can capture it only if nothing reads a value to the host.
+    recipe = functe.DelayedScaling(amax_history_len=4)
+
+    def block(p, state, x):
+        h = ops.layer_norm(x, p["ln_w"], p["ln_b"])
+        h = ops.gelu(ops.fp8_linear(h, p["w1"], p["b1"], state["fc1"], recipe=recipe))
+        return ops.fp8_linear(h, p["w2"], p["b2"], state["fc2"], recipe=recipe) + x
+
+    fused = functe.fuse(block)
+    step = functe.value_and_grad(lambda p, s, x: fused(p, s, x).square().mean(), check=False)
+    shapes = {"ln_w": (16,), "ln_b": (16,), "w1": (32, 16), "b1": (32,), "w2": (16, 32), "b2": (16,)}
+    p = {k: (make(shape) / 4).to(torch.bfloat16) for k, shape in shapes.items()}
+    state = {k: functe.init_linear_scaling_state(recipe) for k in ("fc1", "fc2")}
+    x = make((4, 16)).to(torch.bfloat16)
+    with functe.use_backend("interpret"):
+        _, _, state = step(p, state, x)  # (the trace and plan may read anything)
+        reads = _HostReads(monkeypatch)
+        for _ in range(2):
+            _, grads, state = step(p, state, x)
+            p = {k: v - 0.01 * grads[k] for k, v in p.items()}
+    monkeypatch.undo()
+    assert reads.seen == [] and fused.trace_count == 1
+    plan = fused.plan(p, state, x)
+    assert set(plan.stats["forward"].fired) == {"forward_norm_quantize", "forward_activation_quantize"}
+    assert set(plan.stats["backward"].fired) == {"backward_fp8_linear_activation"}
+    # (the watch itself: the CPU fast path of an fp32 LayerNorm reads its statistics)
+    watch = _HostReads(monkeypatch)
+    ops.layer_norm(make((4, 16)), torch.ones(16), torch.zeros(16))
+    assert any("norm.py" in read for read in watch.seen)
 
 
 @pytest.mark.gpu
