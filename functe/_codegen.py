@@ -57,8 +57,15 @@ def _distinct(outputs: tuple, inputs: tuple) -> tuple:
 
 
 def _apart_from(outputs: tuple, inputs: tuple) -> tuple:
-    """``outputs`` with a view in place of any tensor that is one of ``inputs`` (see _generate's infer)."""
-    return tuple(t.view_as(t) if isinstance(t, Tensor) and any(t is i for i in inputs) else t for t in outputs)
+    """``outputs`` with a view in place of any tensor that is one of ``inputs`` (see _generate's infer);
+    one view per input, so an output returned twice stays one object, as unfused."""
+    views: dict[int, Tensor] = {}
+    result = []
+    for t in outputs:
+        if isinstance(t, Tensor) and any(t is i for i in inputs):
+            t = views.setdefault(id(t), t.view_as(t))
+        result.append(t)
+    return tuple(result)
 
 
 def _zeros(meta) -> Tensor:
@@ -466,7 +473,8 @@ def _generate(
             # An op's output that is the caller's own tensor at run time (identity's forward rule hands
             # back its input) becomes a view, as the unfused op returns: a caller donating it
             # (add_extra_input(..., in_place=True)) wrote their input. An input the function returns
-            # itself, or one value returned twice, stays the object the unfused function returns.
+            # itself stays the object the unfused function returns; so, unlike unfused, does an op
+            # whose trace records nothing (dropout with p = 0, a collective on one rank).
             made = [k for k, a in enumerate(program.outputs) if isinstance(a, Var) and a not in program.inputs]
             if made:
                 em.emit(

@@ -275,7 +275,9 @@ def check_device(op: str, arg: str, value: Any) -> None:
             return
         except RuntimeError:
             pass
-    elif value is None or isinstance(value, (torch.device, int)):
+    elif value is None or isinstance(value, torch.device):
+        return
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:  # (an accelerator's index)
         return
     raise DeviceError(
         f"{_where(op, arg)} expected a torch.device or a device string ('cpu', 'cuda:0'), got {shown_number(value)}"

@@ -160,7 +160,7 @@ def new_opaque_op(fn: Callable, name: str | None) -> CustomVJP:
 
     op = custom_vjp(label, fwd, bwd, keep_autocast=True)
     op.eager_under_compile = True  # (see _vjp.run_outside_graph)
-    op.opaque_fn = fn  # (a trace refuses a traced value it reaches by name: see _record)
+    op.opaque_fn = fn  # (a trace refuses a traced value it reaches by name: see functe._trace._record)
     op.opaque_name = name  # (a pickled op loads as opaque(fn, name=name): see CustomVJP.__reduce__)
     # (functe.fuse checks the function's captured state per call: see Plan.check_captured)
     op.opaque_check = functools.partial(_refuse_captured_grads, fn, label)

@@ -45,10 +45,18 @@ def seed_tensor(seed, like: Tensor, op: str) -> Tensor:
         raise DeviceError(f"functe.{op}: argument 'seed' is on the meta device (no value), x on {like.device}")
     if seed.device == like.device:
         return seed
-    if _vjp._recorder is not None:  # (tracing: an op list has no op that moves a tensor between devices)
+    if _vjp._recorder is not None and _traced(seed):  # (an op list has no op that moves a value between devices)
         raise DeviceError(
             f"functe.{op}: argument 'seed' ({describe(seed)} on {seed.device}) must be on x's device "
             f"({like.device}) in a traced or fused function, which records no copy between devices: "
             "pass seed.to(x.device)"
         )
     return seed.to(like.device)
+
+
+def _traced(seed: Tensor) -> bool:
+    """Whether ``seed`` is a value of the trace this thread records (a captured seed is a constant,
+    copied as in eager code; another thread's trace is not this call's)."""
+    from ._trace import Tracer, tracing  # (the trace module imports the ops, which import this one)
+
+    return isinstance(seed, Tracer) and tracing()

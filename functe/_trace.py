@@ -51,6 +51,7 @@ from ._backend import any_tangent, use_backend
 from ._errors import FuncteError, RuleError, TraceError, check_callable, describe
 from ._kernel import batched_levels
 from ._opaque import _CapturedState, _differentiated_at, _generators
+from ._opaque import _OpTable as _OpTable  # (pickles made before the split name it here)
 from ._oplist import Eqn, Literal, OpList, Var
 from ._reach import _named_values, _reachable_storages, _unwrapped, storage_of
 from ._trace_arith import (

@@ -258,7 +258,7 @@ _TRANSLATIONS: dict[Any, Callable] = {
     T.type_as: lambda x, other: _to(x, other.dtype),
 }
 
-# The arithmetic whose operands torch also takes by keyword (input=, other=; see _operands_by_position)
+# The arithmetic whose operands torch also takes by keyword (input=, other=; see functe._trace._operands_by_position)
 _BINARY = {T.add, torch.add, T.sub, torch.sub, T.mul, torch.mul, T.div, torch.div}
 
 # Queries that read metadata only: answered by the wrapper tensor itself.

@@ -76,12 +76,14 @@ def _checked_loss(who: str, loss: Any, has_aux: bool) -> torch.Tensor:
     """The loss, refused unless a 0-d floating-point tensor: an integer loss made every gradient zero
     silently (torch.func differentiates it as a constant), and torch.func's own refusals named
     ``grad_and_value(f)``, which the caller never called."""
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and (loss.is_floating_point() or loss.is_complex()):
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
         return loss
     what = "fn's loss (the first item of its result)" if has_aux else "fn's loss"
     hint = ""
     if isinstance(loss, torch.Tensor) and loss.dim() != 0:
         hint = ": reduce it to one number (.sum(), .mean())"
+    elif isinstance(loss, torch.Tensor) and loss.is_complex():
+        hint = ": take a real part or a magnitude (torch.func differentiates a real loss only)"
     elif isinstance(loss, torch.Tensor):
         hint = ": an integer or boolean loss has no gradient (its gradients would all be zero)"
     elif isinstance(loss, tuple) and not has_aux:

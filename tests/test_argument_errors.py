@@ -883,8 +883,9 @@ def test_state_initialisers_check_device_and_history_length():
     for recipe in (functe.DelayedScaling(), functe.CurrentScaling()):
         with pytest.raises(functe.DeviceError, match=rf"^functe\.init_linear_scaling_state: {device}"):
             functe.init_linear_scaling_state(recipe, device="gpu0")
-    with pytest.raises(functe.DeviceError, match=r"'device' expected a torch\.device .*, got 1\.5$"):
-        functe.init_scaling_state(4, device=1.5)
+    for bad, got in ((1.5, r"1\.5"), (True, "True"), (-1, "-1")):  # (a bool or -1 is no accelerator index)
+        with pytest.raises(functe.DeviceError, match=rf"'device' expected a torch\.device .*, got {got}$"):
+            functe.init_scaling_state(4, device=bad)
     too_long = r"^functe\.init_scaling_state: argument 'history_len' expected an int from 1 to 2\*\*61 - 1, got "
     for bad in (10**20, 2**61):
         with pytest.raises(functe.StateError, match=too_long + str(bad)):

@@ -4,6 +4,7 @@ statistics, scaling, reproducibility, transforms, compile, errors."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -212,3 +213,23 @@ def test_a_cpu_seed_beside_x_elsewhere_is_copied_eagerly_and_named_in_a_fused_fu
         with pytest.raises(functe.DeviceError, match=message):
             transform(lambda x, s: ops.dropout(x, 0.5, seed=s))(x, seed)
     assert functe.fuse(lambda x, s: ops.dropout(x, 0.5, seed=s))(x, seed.to("meta")).device.type == "meta"
+    # a seed that is no value of the trace is copied as in eager code: a captured one, or another
+    # thread's eager call while this one traces (the check looked at a process-wide flag)
+    program = functe.trace(lambda x: ops.dropout(x, 0.5, seed=seed) + ops.dropout(x, 0.5, seed=seed))(x)
+    assert len(program.eqns) == 3
+    inside, done, eager = threading.Event(), threading.Event(), []
+
+    def tracing(x):
+        inside.set()
+        done.wait(10)
+        return ops.identity(x)
+
+    tracer = threading.Thread(target=lambda: functe.trace(tracing)(torch.ones(4)))
+    tracer.start()
+    inside.wait(10)
+    try:
+        eager.append(ops.dropout(x, 0.5, seed=seed).device.type)
+    finally:
+        done.set()
+        tracer.join()
+    assert eager == ["meta"]

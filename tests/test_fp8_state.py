@@ -196,6 +196,14 @@ def test_state_from_gradient_of_many_states_equals_each_alone_and_each_owns_its_
                 assert got.untyped_storage().nbytes() == got.numel() * 4, (key, name)
                 storages.add(got.untyped_storage().data_ptr())
     assert len(storages) == 2 * sum(ct is not None for ct in grads.values())
+    # (a scale of another shape than the history's batch, TE's [1] beside a 1-d history, broadcasts
+    # against the count: stacked, it mixed the states; each is updated alone)
+    odd = {k: functe.ScalingState(torch.full((1,), 2.0 + k), torch.rand(4, generator=g)) for k in range(3)}
+    odd_grads = {k: functe.ScalingState(torch.full((1,), 5.0 + k), torch.tensor([1.0, 0.5, 0.5, 0.5])) for k in odd}
+    stacked = functe.state_from_gradient(odd, odd_grads, check=False)
+    for k in odd:
+        alone = functe.state_from_gradient(odd[k], odd_grads[k], check=False)
+        assert torch.equal(stacked[k].scale, alone.scale) and torch.equal(stacked[k].amax_history, alone.amax_history)
     bad = {"doubled", "scale_cut", "no_history", "no_scale", "nan_count"}  # (a cut leaf or a count not 0 or 1)
     named = ", ".join(f"state.{key}" for key in sorted(states) if cases[int(key[1:]) % len(cases)] in bad)
     with pytest.raises(functe.StateError, match=f"the scaling state at {re.escape(named)} was used more than once"):

@@ -1412,10 +1412,11 @@ def test_cached_calls_never_read_tensor_data_on_the_host():
 
 class _HostReads:
     """Tensor methods that read a value to the host (a synchronisation on a GPU), watched while the
-    block runs: each call made by functe's own code (not torch's, not the Triton interpreter's launch
-    machinery) is noted with its file and line. Unlike a dispatch mode (see _SyncRecorder), this
-    sees into the Triton launchers: with a dispatch mode active functe routes launches through
-    custom ops, which the mode cannot see into."""
+    block runs: each call made by functe's own code is noted with its file and line. Not watched:
+    torch's code, and functe/kernels/_triton.py, which runs kernels in Triton's interpreter (an
+    emulator that reads values by design; on a GPU that module only launches). Unlike a dispatch mode
+    (see _SyncRecorder), this sees into the kernels' launchers (functe/kernels/*.py): with a dispatch
+    mode active functe routes launches through custom ops, which the mode cannot see into."""
 
     METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
 

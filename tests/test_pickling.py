@@ -159,3 +159,12 @@ def test_a_deep_copy_of_an_opaque_callable_object_leaves_no_global_entry():
         holder["scale"].factor.fill_(3.0)  # (the copy's op calls the copied object)
         assert torch.equal(holder["op"](torch.ones(4)), torch.full((4,), 3.0))
     assert len(_opaque._OPAQUE) == before and torch.equal(op(torch.ones(4)), torch.full((4,), 2.0))
+
+
+def test_a_pickle_naming_the_op_table_where_it_lived_before_the_split_loads():
+    # (opaque(module) keeps its ops in an _OpTable in the module's __dict__, pickled by class path;
+    # stop 37 moved the class from functe._trace to functe._opaque, and older pickles name the former)
+    from functe import _opaque
+
+    table = pickle.loads(b"cfuncte._trace\n_OpTable\n)R.")
+    assert type(table) is _opaque._OpTable and table.ops == {}

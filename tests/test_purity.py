@@ -258,8 +258,8 @@ def test_donating_a_result_equal_to_the_argument_leaves_the_caller_tensor_alone(
     # An op that returns its argument unchanged returns a view, not the caller's tensor: donating the
     # result (add_extra_input(..., in_place=True)) then computes out of place. Before, the single-rank
     # collectives and a fused identity (no grad) returned x itself, and the donation wrote x. (A
-    # function that returns its argument itself, or dropout with p = 0, whose trace records no op,
-    # returns x fused as unfused: test_fuse's aliasing test.)
+    # function that returns its argument itself returns x, fused as unfused: test_fuse's aliasing
+    # test. Left: fused, so does dropout with p = 0 returned as is, whose trace records no op.)
     x = make((4, 16))
     before = x.clone()
     with torch.no_grad():
@@ -267,3 +267,11 @@ def test_donating_a_result_equal_to_the_argument_leaves_the_caller_tensor_alone(
         assert y is not x and torch.equal(y, before)
         out = ops.add_extra_input(torch.ones(4, 16), y, in_place=True)
     assert torch.equal(x, before) and torch.equal(out, before + 1)
+
+
+def test_a_fused_identity_returned_twice_is_one_view_of_the_argument():
+    # (one object twice, as unfused, but not the caller's tensor)
+    x = make((4, 16))
+    with torch.no_grad():
+        first, second = functe.fuse(lambda x: (lambda y: (y, y))(ops.identity(x)))(x)
+    assert first is second and first is not x and first.data_ptr() == x.data_ptr()
