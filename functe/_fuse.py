@@ -70,6 +70,7 @@ from ._fuse_modules import (
     _submodules,
 )
 from ._kernel import batched, empty_batched
+from ._pickling import global_name, named, reachable_by_name
 from ._plan import Plan
 from ._recipe import check_recipe
 from ._trace import trace_call
@@ -494,7 +495,11 @@ class Fused:
     def __reduce__(self):
         # The function, rules and recipe, not the plans: their generated code is rebuilt by tracing
         # on the first call after loading (and a pickled plan would hold the weights it folded).
-        return Fused, (self.__wrapped__, self.rules, self.recipe)
+        # Under @functe.fuse the function's name is bound to this object, which then pickles by
+        # reference, as the function would have.
+        fn = self.__wrapped__
+        found = None if reachable_by_name(fn) else global_name(self, getattr(fn, "__module__", None))
+        return (named, (*found, Fused)) if found else (Fused, (fn, self.rules, self.recipe))
 
     def __repr__(self):
         return f"fuse({self.__name__})"

@@ -16,16 +16,29 @@ from typing import Any
 def global_name(obj: Any, *homes: str | None) -> tuple[str, str] | None:
     """The (module, name) of a global bound to ``obj``: in the modules ``homes`` first, then in the
     other loaded modules of their packages (an op or rule may be re-exported or defined apart from
-    its rules); None when there is none."""
+    its rules), then in any loaded module (an op a factory of one package made, bound in another's
+    module); None when there is none. (Pickling only: the last scan reads every module's globals.)"""
     homes = tuple(dict.fromkeys(h for h in homes if h))
-    packages = {h.partition(".")[0] + "." for h in homes}
-    others = sorted(m for m in list(sys.modules) if m.startswith(tuple(packages)) and m not in homes)
-    for module_name in (*homes, *others):
+    packages = tuple({h.partition(".")[0] + "." for h in homes})
+    loaded = sorted(m for m in list(sys.modules) if m not in homes)
+    near = [m for m in loaded if m.startswith(packages)]
+    far = [m for m in loaded if not m.startswith(packages)]
+    for module_name in (*homes, *near, *far):
         module = sys.modules.get(module_name)
-        for name, value in list(vars(module).items()) if module is not None else ():
+        for name, value in list(getattr(module, "__dict__", {}).items()) if module is not None else ():
             if value is obj:
                 return module_name, name
     return None
+
+
+def reachable_by_name(fn: Any) -> bool:
+    """Whether pickle finds ``fn`` by its own module and qualified name (a function a decorator
+    replaced with its wrapper is not: the name is bound to the wrapper)."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    value: Any = module
+    for part in (getattr(fn, "__qualname__", None) or "<none>").split("."):
+        value = getattr(value, part, None)
+    return value is fn
 
 
 def named(module_name: str, name: str, kind: type) -> Any:

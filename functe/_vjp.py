@@ -68,7 +68,7 @@ from ._kernel import (
     vmap_call,
     with_layout,
 )
-from ._pickling import global_name, named
+from ._pickling import global_name, named, reachable_by_name
 from ._rng import RandomState
 from ._tree import PyTreeSpec, argument_labels, same_structure, tree_flatten, tree_unflatten, with_contents
 
@@ -418,7 +418,10 @@ class CustomVJP:
         # reference keeps a rule set or a fused function's pickle small and loads today's rules.
         fn = getattr(self, "opaque_fn", None)
         if fn is not None:
-            return _opaque_op, (fn, self.opaque_name)
+            # (@functe.opaque binds the function's name to the op: the function is not reachable by
+            # its name, the op is)
+            found = None if reachable_by_name(fn) else global_name(self, getattr(fn, "__module__", None))
+            return (named, (*found, CustomVJP)) if found else (_opaque_op, (fn, self.opaque_name))
         found = global_name(self, self._made_in, self._home)
         if found is None:
             raise pickle.PicklingError(
@@ -439,6 +442,8 @@ class CustomVJP:
         if fn is None:
             return self
         copied = copy.deepcopy(fn, memo)
+        if copied is fn:  # (a builtin or a function: copied as themselves, their op is this one)
+            return self
         if isinstance(copied, (types.FunctionType, torch.nn.Module)) or (
             isinstance(copied, types.MethodType) and isinstance(copied.__self__, torch.nn.Module)
         ):

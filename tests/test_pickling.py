@@ -168,3 +168,59 @@ def test_a_pickle_naming_the_op_table_where_it_lived_before_the_split_loads():
 
     table = pickle.loads(b"cfuncte._trace\n_OpTable\n)R.")
     assert type(table) is _opaque._OpTable and table.ops == {}
+
+
+@functe.fuse
+def _decorated_block(x, w):
+    return ops.gelu(ops.linear(x, w))
+
+
+@functe.opaque
+def _decorated_swish(x):
+    return x * torch.sigmoid(x)
+
+
+def test_decorated_fused_functions_and_opaque_ops_pickle_by_their_name():
+    # (@functe.fuse and @functe.opaque bind the function's name to the wrapper: pickling the wrapped
+    # function by reference failed, "not the same object as test_pickling._decorated_block")
+    x, w = make((4, 8)), make((16, 8))
+    holder = {"block": _decorated_block, "swish": _decorated_swish}
+    for loaded in (pickle.loads(pickle.dumps(holder)), torch.load(_saved(holder), weights_only=False)):
+        assert loaded["block"] is _decorated_block and loaded["swish"] is _decorated_swish
+    assert torch.equal(pickle.loads(pickle.dumps(_decorated_block))(x, w), ops.gelu(ops.linear(x, w)))
+    # a plain function's Fused still pickles its function, rules and recipe
+    fused = functe.fuse(_scale_twice)
+    loaded = pickle.loads(pickle.dumps(fused))
+    assert loaded is not fused and loaded.__wrapped__ is _scale_twice
+
+
+def _saved(obj) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_a_deep_copied_opaque_op_over_a_builtin_is_the_op():
+    # (deepcopy(torch.tanh) is torch.tanh: the copy made a new op, which a rule matching
+    # opaque(torch.tanh) no longer matched; pickling already gave the op itself)
+    op = functe.opaque(torch.tanh)
+    assert copy.deepcopy(op) is op and copy.deepcopy({"f": op})["f"] is op
+
+
+def _scaled_op(factor: float):
+    def fwd(x):
+        return x * factor, None
+
+    return functe.custom_vjp(f"scaled_{factor}", fwd, lambda _, g: (g * factor,))
+
+
+def test_an_op_a_factory_made_pickles_by_the_name_another_module_binds_it_to(monkeypatch):
+    # (only the factory's and the forward rule's packages were searched: bound in a user's module,
+    # the op refused to pickle, "none of the globals of ...")
+    import types
+
+    user = types.ModuleType("functe_test_user_module")
+    user.TRIPLE = _scaled_op(3.0)
+    monkeypatch.setitem(__import__("sys").modules, user.__name__, user)
+    assert pickle.loads(pickle.dumps(user.TRIPLE)) is user.TRIPLE
