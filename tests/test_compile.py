@@ -570,3 +570,17 @@ def test_compiled_gelu_agrees_with_eager_in_float64():
     for fn in (ops.gelu, ops.geglu, lambda x: ops.activation(x, "gelu", scale)):
         # (the tolerance table's float64 entry, 1e-7, is for float64 against exact math: too loose here)
         torch.testing.assert_close(torch.compile(fn, backend="eager")(x), fn(x), rtol=1e-13, atol=1e-13)
+
+
+def test_nvfp4_linear_compiles_with_a_dynamic_batch_of_one_hadamard_block():
+    # (the Hadamard twin reshaped through the dynamic size // 16: with a first batch of exactly 16
+    # tokens Dynamo could not prove the round trip and specialised the batch, refusing mark_dynamic)
+    recipe = functe.NVFP4BlockScaling()
+    w = (make((64, 64)) / 8).requires_grad_()
+    loss = lambda x, w, s: ops.fp8_linear(x, w, None, None, recipe=recipe, seed=s).square().mean()
+    compiled = torch.compile(loss, backend="aot_eager")
+    for tokens in (16, 32):
+        x = make((tokens, 64))
+        torch._dynamo.mark_dynamic(x, 0)
+        got = torch.autograd.grad(compiled(x, w, torch.tensor(3)), w)[0]
+        assert torch.equal(got, torch.autograd.grad(loss(x, w, torch.tensor(3)), w)[0])

@@ -174,10 +174,13 @@ def walsh_hadamard16_ref(x: Tensor) -> Tensor:
 def rht16_ref(x: Tensor, seed: Tensor, inverse: bool, out_dtype: torch.dtype) -> Tensor:
     """PyTorch twin of :func:`rht16`."""
     check_seed_dtype("rht16", seed)
-    blocks = x.to(compute_dtype(x.dtype)).reshape(*x.shape[:-1], x.shape[-1] // RHT_SIZE, RHT_SIZE)
+    # (unflatten(-1, (-1, 16)) and flatten(-2), not reshapes through x.shape[-1] // 16: with that size
+    # dynamic under torch.compile and 16 at the first call, Dynamo could not prove the round trip and
+    # specialised it, refusing mark_dynamic)
+    blocks = x.to(compute_dtype(x.dtype)).unflatten(-1, (-1, RHT_SIZE))
     s = rht_signs(seed).to(blocks.dtype)
     y = walsh_hadamard16_ref(blocks) * s * 0.25 if inverse else walsh_hadamard16_ref(blocks * s) * 0.25
-    return y.reshape(x.shape).to(out_dtype)
+    return y.flatten(-2).to(out_dtype)
 
 
 RHT16 = Kernel("rht16", rht16, rht16_ref, fast_path=False)
