@@ -30,7 +30,7 @@ from typing import Any
 import optree
 import torch
 
-from ._backend import has_values
+from ._backend import PLAIN_TENSOR_TYPES, has_values
 from ._errors import StateError, as_int, check_device, check_flag, describe
 from ._late_writes import watch_replaced, written_after_replacement
 from ._recipe import ROLES, CurrentScaling, DelayedScaling, Recipe, check_recipe
@@ -305,16 +305,13 @@ def _stack_key(old: ScalingState, ct: ScalingState) -> tuple | None:
     """What states must share to be updated in one stack, or ``None`` for the per-state path."""
     tensors = (old.scale, old.amax_history, ct.scale, ct.amax_history)
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if torch.compiler.is_compiling() or any(type(t) not in _PLAIN or wrapped(t) for t in tensors):
+    if torch.compiler.is_compiling() or any(type(t) not in PLAIN_TENSOR_TYPES or wrapped(t) for t in tensors):
         return None
     if old.scale.shape != old.amax_history.shape[:-1]:
         # (a scale of another shape, TE's [1] beside a 1-d history: the update broadcasts it against
         # the count, which stacked would mix the states; one at a time it is each state's own)
         return None
     return tuple((t.shape, t.dtype, t.device) for t in tensors)
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _unstacked(t: Tensor) -> list[Tensor]:
@@ -395,7 +392,8 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
     grad_leaves = _match(spec, grad)
     paths = spec.paths()
     new_leaves = list(old_leaves)
-    used: list[int] = []  # positions of the states whose cotangent carries an update
+    states: list[int] = []  # positions of the scaling states
+    used: list[int] = []  # of those, the ones whose cotangent carries an update
     for i, (old, ct) in enumerate(zip(old_leaves, grad_leaves)):
         if isinstance(old, torch.Tensor):
             raise StateError(
@@ -410,6 +408,7 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
                     "lists and tuples, or register the class with functe.pytree_dataclass"
                 )
             continue
+        states.append(i)
         _check_cotangent(old, ct, paths[i])
         if check and not torch.compiler.is_compiling():  # (no hooks are registered under compile)
             _check_no_late_write(old, paths[i])
@@ -419,11 +418,10 @@ def state_from_gradient(state: Any, grad: Any, *, check: bool = True) -> Any:
     news, counts, owners = _next_states([old_leaves[i] for i in used], cotangents)
     for i, new in zip(used, news):
         new_leaves[i] = new
-    for i, old in enumerate(old_leaves):
-        if _is_state(old):  # (untouched states too: fresh leaves, see _next_leaf)
-            new = new_leaves[i]
-            next_scale, next_history = _next_leaf(new.scale, old.scale), _next_leaf(new.amax_history, old.amax_history)
-            new_leaves[i] = ScalingState(next_scale, next_history)
+    for i in states:  # (untouched states too: fresh leaves, see _next_leaf)
+        old, new = old_leaves[i], new_leaves[i]
+        next_scale, next_history = _next_leaf(new.scale, old.scale), _next_leaf(new.amax_history, old.amax_history)
+        new_leaves[i] = ScalingState(next_scale, next_history)
     if check and counts and not any(torch._C._functorch.is_functorch_wrapped_tensor(c) for c in counts):
         _check_counts(counts, owners, lambda k: _keystr(paths[used[k]]))
     return tree_unflatten(spec, new_leaves)

@@ -49,9 +49,10 @@ def _check_amax_epsilon(recipe: str, eps) -> float:
     return number
 
 
-def _role_error(method: str, role: object) -> RecipeError:
-    """The error of ``functe.<method>`` given an unknown tensor role."""
-    return RecipeError(f"functe.{method}: argument 'role' expected one of {ROLES}, got {role!r}")
+def _check_role(method: str, role: object) -> None:
+    """Refuse an unknown tensor role, naming ``functe.<method>``."""
+    if role not in ROLES:
+        raise RecipeError(f"functe.{method}: argument 'role' expected one of {ROLES}, got {role!r}")
 
 
 class Format(enum.Enum):
@@ -68,8 +69,7 @@ class Format(enum.Enum):
 
     def dtype(self, role: str) -> torch.dtype:
         """The float8 dtype of tensor ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
-        if role not in ROLES:
-            raise _role_error("Format.dtype", role)
+        _check_role("Format.dtype", role)
         if self is Format.E5M2 or (self is Format.HYBRID and role in BACKWARD_ROLES):
             return torch.float8_e5m2
         return torch.float8_e4m3fn
@@ -108,14 +108,12 @@ class _Recipe:
 
     def dtype(self, role: str) -> torch.dtype:
         """The float8 dtype of tensor ``role`` under this recipe."""
-        if role not in ROLES:
-            raise _role_error(f"{type(self).__name__}.dtype", role)
+        _check_role(f"{type(self).__name__}.dtype", role)
         return self.fp8_format.dtype(role)
 
     def max(self, role: str) -> float:
         """The largest finite value of tensor ``role``'s float8 dtype."""
-        if role not in ROLES:
-            raise _role_error(f"{type(self).__name__}.max", role)
+        _check_role(f"{type(self).__name__}.max", role)
         return FP8_MAX[self.dtype(role)]
 
 
@@ -259,8 +257,7 @@ class Float8BlockScaling(_Recipe):
 
     def block_shape(self, role: str) -> tuple[int, int]:
         """``(rows, cols)`` of one scaling block of tensor ``role``: 128x128 for weights, else 1x128."""
-        if role not in ROLES:
-            raise _role_error(f"{type(self).__name__}.block_shape", role)
+        _check_role(f"{type(self).__name__}.block_shape", role)
         return (128, 128) if role == "weight" else (1, 128)
 
 
@@ -309,20 +306,17 @@ class NVFP4BlockScaling(_Recipe):
 
     def dtype(self, role: str) -> torch.dtype:
         """``torch.float4_e2m1fn_x2`` (two E2M1 values per byte) for every role."""
-        if role not in ROLES:
-            raise _role_error(f"{type(self).__name__}.dtype", role)
+        _check_role(f"{type(self).__name__}.dtype", role)
         return torch.float4_e2m1fn_x2
 
     def max(self, role: str) -> float:
         """6.0, the largest E2M1 magnitude."""
-        if role not in ROLES:
-            raise _role_error(f"{type(self).__name__}.max", role)
+        _check_role(f"{type(self).__name__}.max", role)
         return E2M1_MAX
 
     def block_shape(self, role: str) -> tuple[int, int]:
         """``(rows, cols)`` of one scaling block: 16x16 for weights (unless disabled), else 1x16."""
-        if role not in ROLES:
-            raise _role_error(f"{type(self).__name__}.block_shape", role)
+        _check_role(f"{type(self).__name__}.block_shape", role)
         return (16, 16) if role == "weight" and not self.disable_2d_quantization else (1, 16)
 
     @property

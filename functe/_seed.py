@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from . import _vjp
 from ._errors import ArgumentError, DeviceError, as_int, describe, dtype_error, shape_error
 
 Tensor = torch.Tensor
@@ -45,7 +44,7 @@ def seed_tensor(seed, like: Tensor, op: str) -> Tensor:
         raise DeviceError(f"functe.{op}: argument 'seed' is on the meta device (no value), x on {like.device}")
     if seed.device == like.device:
         return seed
-    if _vjp._recorder is not None and _traced(seed):  # (an op list has no op that moves a value between devices)
+    if _traced(seed):  # (an op list has no op that moves a value between devices)
         raise DeviceError(
             f"functe.{op}: argument 'seed' ({describe(seed)} on {seed.device}) must be on x's device "
             f"({like.device}) in a traced or fused function, which records no copy between devices: "
