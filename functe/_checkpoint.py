@@ -149,6 +149,7 @@ def save_tree(path: str | os.PathLike, tree: Any) -> None:
         ['w']
     """
     _check_file_path("save_tree", path)
+    _check_parent_exists("save_tree", path)
     flat = {k: v.detach().contiguous() for k, v in tree_to_dict(tree).items()}
     if str(path).endswith(".safetensors"):
         from safetensors.torch import save_file
@@ -164,6 +165,18 @@ def _check_file_path(op: str, path: Any) -> None:
     "No such device"); a file object, which torch.save and torch.load take too, passes."""
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
         raise ArgumentError(f"functe.{op}: argument 'path' expected a file path, got the directory {os.fspath(path)!r}")
+
+
+def _check_parent_exists(op: str, path: Any) -> None:
+    """Refuse a path whose directory is missing (safetensors' error named a temporary file, ".tmpXYZ",
+    in it; torch's named no function)."""
+    if isinstance(path, (str, os.PathLike)):
+        parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+        if not os.path.isdir(parent):
+            raise ArgumentError(
+                f"functe.{op}: argument 'path' expected a file in an existing directory, got "
+                f"{os.fspath(path)!r} ({parent!r} does not exist)"
+            )
 
 
 def _shares_a_larger_storage(t: torch.Tensor) -> bool:

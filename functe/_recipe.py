@@ -166,8 +166,13 @@ class DelayedScaling(_Recipe):
             )
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
             raise RecipeError(f"functe.DelayedScaling: amax_history_len must be an int, got {self.amax_history_len!r}")
-        if self.amax_history_len < 1:
-            raise RecipeError(f"functe.DelayedScaling: amax_history_len must be >= 1, got {self.amax_history_len}")
+        # (the bound init_scaling_state keeps: a longer history's bytes overflow a tensor's size, and
+        # the recipe was accepted only for every state made from it to fail)
+        if not 1 <= self.amax_history_len < 2**61:
+            raise RecipeError(
+                f"functe.DelayedScaling: amax_history_len must be an int from 1 to 2**61 - 1, "
+                f"got {self.amax_history_len}"
+            )
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise RecipeError(
                 "functe.DelayedScaling: amax_compute_algo must be 'max' or 'most_recent', "

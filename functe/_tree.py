@@ -52,6 +52,14 @@ def tree_unflatten(spec: PyTreeSpec, leaves) -> Any:
     """
     try:
         return optree.tree_unflatten(spec, leaves)
+    except ValueError:
+        # (optree's "Too few leaves for PyTreeSpec" named neither the function nor the argument)
+        count = getattr(spec, "num_leaves", None)
+        if not isinstance(count, int) or not hasattr(leaves, "__len__") or len(leaves) == count:
+            raise
+        raise ArgumentError(
+            f"functe.tree_unflatten: argument 'leaves' expected {count} leaves (the spec's), got {len(leaves)}"
+        ) from None
     except AttributeError:
         # (checked after the fact, and not as isinstance: a spec Dynamo made is its polyfill's)
         if hasattr(spec, "unflatten"):

@@ -873,6 +873,13 @@ def test_pytree_helpers_check_their_arguments():
         functe.tree_map(3, {"a": X})
     spec = functe.tree_structure({"a": 1, "b": (2, None)})
     assert functe.tree_unflatten(spec, [1, 2, None]) == {"a": 1, "b": (2, None)}
+    # (optree's "Too few leaves for PyTreeSpec" named neither function nor argument)
+    for leaves in ([1, 2], [1, 2, None, 4]):
+        with pytest.raises(
+            functe.ArgumentError,
+            match=rf"^functe\.tree_unflatten: argument 'leaves' expected 3 leaves \(the spec's\), got {len(leaves)}$",
+        ):
+            functe.tree_unflatten(spec, leaves)
 
 
 def test_state_initialisers_check_device_and_history_length():
@@ -921,6 +928,20 @@ def test_save_and_load_tree_refuse_a_directory(tmp_path):
                 call(path, {"a": X})
     functe.save_tree(tmp_path / "t.pt", {"a": X})
     assert torch.equal(functe.load_tree(tmp_path / "t.pt", {"a": X})["a"], X)
+
+
+def test_save_tree_refuses_a_path_in_a_missing_directory(tmp_path):
+    # (safetensors: "I/O error: No such file or directory (os error 2) at path .../.tmpXYZ", a name the
+    # caller never gave; torch.save: "Parent directory ... does not exist", naming no function)
+    for name in ("t.pt", "t.safetensors"):
+        path = tmp_path / "missing" / name
+        shown = re.escape(str(path))
+        with pytest.raises(
+            functe.ArgumentError,
+            match=rf"^functe\.save_tree: argument 'path' expected a file in an existing directory, got '{shown}' ",
+        ):
+            functe.save_tree(path, {"a": X})
+        assert not (tmp_path / "missing").exists()
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
