@@ -274,16 +274,17 @@ def _is_float_var(a) -> bool:
 class _Liveness:
     """Which vars carry cotangents and which backward steps (and so residuals) are needed."""
 
-    def __init__(
-        self, program: OpList, joint: OpList, backward: OpList, wanted: frozenset | None = None, outside=frozenset()
-    ):
+    def __init__(self, program: OpList, joint: OpList, backward: OpList, wanted: frozenset | None = None, outside=None):
         # wanted: the inputs whose gradients are asked for (None: every float input); outside: the
         # output positions built outside the fused op (see _outside_outputs), which get no cotangent
+        # but where the op carries an intermediate, which gets it
+        outside = Outside() if outside is None else outside
         needs = {v for v in program.inputs if v.dtype.is_floating_point and (wanted is None or v in wanted)}
         for e in joint.eqns:
             if any(isinstance(a, Var) and a in needs for a in e.inputs):
                 needs.update(v for v in e.outputs if _is_float_var(v))
         has = {a for k, a in enumerate(program.outputs) if _is_float_var(a) and a in needs and k not in outside}
+        has.update(v for v in outside.carried.values() if v in needs)
 
         def wanted_step(e: Eqn) -> bool:
             return any(isinstance(a, Var) and a in needs for a in e.inputs)
@@ -345,10 +346,10 @@ def _owners(eqn: Eqn) -> tuple[Eqn, ...]:
     return eqn.covers if eqn.phase in ("forward", "backward") else (eqn,)
 
 
-def _dead_after(program: OpList, forward: OpList) -> list[list[Var]]:
+def _dead_after(program: OpList, forward: OpList, carried=()) -> list[list[Var]]:
     """Per forward step, the variables no later step reads (intermediates only: the program's inputs
-    stay the caller's, and its outputs are returned)."""
-    keep = set(program.inputs) | {a for a in program.outputs if isinstance(a, Var)}
+    stay the caller's, and its outputs, and the intermediates the fused op carries, are returned)."""
+    keep = set(program.inputs) | {a for a in program.outputs if isinstance(a, Var)} | set(carried)
     last: dict[Var, int] = {}
     for i, e in enumerate(forward.eqns):
         for v in e.outputs:
@@ -364,20 +365,33 @@ def _dead_after(program: OpList, forward: OpList) -> list[list[Var]]:
     return dead
 
 
-def _outside_outputs(program: OpList) -> dict[int, tuple[int, tuple]]:
+class Outside(dict):
     """Output positions the fused op leaves out and its caller builds from its other outputs:
-    ``{position: (source position, shapes)}``, the source reshaped by each of ``shapes`` in turn.
+    ``{position: (source position, shapes)}``, the source reshaped by each of ``shapes`` in turn;
+    ``carried``: ``{position: variable}`` for the positions where the fused op returns, in place of
+    the program's output, the variable it reshapes (see :func:`_outside_outputs`)."""
 
-    They are the outputs that alias another output in the unfused function: one returned twice
-    (``return y, y``) and the reshapes of an output that no op reads but another such reshape
-    (``y, y.reshape(...)``).
+    def __init__(self, built=(), carried=None):
+        super().__init__(built)
+        self.carried: dict[int, Var] = dict(carried or {})
+
+
+def _outside_outputs(program: OpList) -> Outside:
+    """The outputs the fused op leaves out, built by its caller (see :class:`Outside`).
+
+    They are the outputs that alias another output or an intermediate in the unfused function: one
+    returned twice (``return y, y``), and the reshapes of an output or of an intermediate that no
+    op reads but another such reshape (``y, y.reshape(...)``, ``gelu(x).reshape(-1)``).
     Returned by an autograd.Function, the second of two aliases is a view of the first that
     autograd forbids writing to ("Output 1 of ... is a view and its base ... has been modified
     inplace"), where the unfused function returns the same tensor, or a view torch's own view op
-    made; built outside, they are the same objects and views. Left inside: a reshape an op reads
-    (it may be a residual) and a reshape of an input. (An input returned stays an output of the
-    Function too, a view of the input: its gradient then adds the output's cotangent in the order
-    the unfused graph does.)
+    made; built outside, they are the same objects and views. A reshape of an intermediate is the
+    same: the fused op returns the intermediate in the first such output's position (carried) and
+    the caller reshapes it, as the unfused function's torch view op does (returned from inside,
+    compiled code refused an in-place write on it: "Output 0 of CompiledFunction is a view and is
+    being modified inplace"). Left inside: a reshape an op reads (it may be a residual) and a
+    reshape of an input. (An input returned stays an output of the Function too, a view of the
+    input: its gradient then adds the output's cotangent in the order the unfused graph does.)
     """
     from .ops._core import _reshape  # (functe.ops imports this module's callers; imported late)
 
@@ -392,12 +406,8 @@ def _outside_outputs(program: OpList) -> dict[int, tuple[int, tuple]]:
         if isinstance(a, Var) and a not in first:
             first[a] = k
     inputs = set(program.inputs)
-    # (a chain ends at a variable no reshape made: one in `first` is a Function output)
-    chains = {
-        a: chain
-        for a in first
-        if (chain := _reshape_chain(a, producer, _reshape)) is not None and chain[0] in first and chain[0] not in inputs
-    }
+    # (a chain ends at a variable no reshape made: an output of the Function, or an intermediate)
+    chains = {a: chain for a in first if (chain := _reshape_chain(a, producer, _reshape)) and chain[0] not in inputs}
     # An output read by an op stays inside, unless each reader is a reshape whose result is built
     # outside too (y, y.reshape(a), y.reshape(a).reshape(b)); dropping one can drop its sources' readers.
     changed = True
@@ -407,7 +417,7 @@ def _outside_outputs(program: OpList) -> dict[int, tuple[int, tuple]]:
             if any(e.op is not _reshape or e.outputs[0] not in chains for e in readers.get(a, ())):
                 del chains[a]
                 changed = True
-    outside: dict[int, tuple[int, tuple]] = {}
+    outside = Outside()
     for k, a in enumerate(program.outputs):
         if not isinstance(a, Var):
             continue
@@ -415,6 +425,9 @@ def _outside_outputs(program: OpList) -> dict[int, tuple[int, tuple]]:
             outside[k] = (first[a], ())
         elif a in chains:
             source, shapes = chains[a]
+            if source not in first:  # an intermediate: carried in this position (the first of its reshapes)
+                first[source] = k
+                outside.carried[k] = source
             outside[k] = (first[source], shapes)
     return outside
 
@@ -431,7 +444,7 @@ def _reshape_chain(v: Var, producer: dict, reshape_op) -> tuple[Var, tuple] | No
 
 
 def _generate(
-    program: OpList, forward: OpList, live: _Liveness, input_labels: Callable[[], list[str]], outside: dict
+    program: OpList, forward: OpList, live: _Liveness, input_labels: Callable[[], list[str]], outside: Outside
 ) -> tuple[str, dict]:
     """Python source of ``infer``, ``forward``, ``backward`` and ``with_constants`` for a plan, and
     its globals; ``outside``: see _outside_outputs."""
@@ -439,7 +452,7 @@ def _generate(
     res_names = {e: f"r{i}" for i, e in enumerate(live.residuals)}
     inputs = ", ".join(em.var(v) for v in program.inputs)
 
-    dead_after = _dead_after(program, forward)
+    dead_after = _dead_after(program, forward, outside.carried.values())
 
     def forward_body(keep_residuals: bool) -> None:
         for i, e in enumerate(forward.eqns):
@@ -488,7 +501,12 @@ def _generate(
         # the caller's own tensor a grad_fn. So are the outputs built outside (see
         # _outside_outputs). Variables go through _distinct (see there).
         items = [
-            em.atom(a) if isinstance(a, Var) and k not in outside else "None" for k, a in enumerate(program.outputs)
+            em.var(outside.carried[k])
+            if k in outside.carried
+            else em.atom(a)
+            if isinstance(a, Var) and k not in outside
+            else "None"
+            for k, a in enumerate(program.outputs)
         ]
         if any(isinstance(a, Var) for a in program.outputs):
             em.emit(f"_out = _distinct(({''.join(i + ', ' for i in items)}), ({inputs}{',' if inputs else ''}))")
@@ -527,8 +545,13 @@ def _generate(
         for j in sorted({s for s, _ in outside.values()} - set(outside)):
             em.emit(f"_o{j} = {items[j]}")  # (a kept output an outside one is built from)
             items[j] = f"_o{j}"
+        for k in sorted(outside.carried):
+            em.emit(f"_c{k} = {items[k]}")  # (an intermediate the op carries in an outside position)
         for k, (source, shapes) in sorted(outside.items()):
-            em.emit(f"_o{k} = _o{source}{''.join(f'.reshape({em.literal(shape)})' for shape in shapes)}")
+            # (a repeat, no shapes, is the source position's output; a reshape reshapes its source
+            # variable, the carried intermediate or a kept output)
+            base = f"_c{source}" if shapes and source in outside.carried else f"_o{source}"
+            em.emit(f"_o{k} = {base}{''.join(f'.reshape({em.literal(shape)})' for shape in shapes)}")
             items[k] = f"_o{k}"
         em.emit(f"return {em.pack(items, program.out_tree)}")
     return "\n".join(em.lines) + "\n", em.globals
@@ -540,7 +563,7 @@ def _generate_backward(
     live: _Liveness,
     res_names: dict[Eqn, str],
     input_labels: Callable[[], list[str]],
-    outside: dict,
+    outside: Outside,
 ) -> None:
     em.lines.append("def backward(res, cts):")
     if res_names:
@@ -568,7 +591,9 @@ def _generate_backward(
     if program.out_tree != LEAF:
         em.emit(f"cts = {em.leaves(program.out_tree, 'cts')}")
     for j, a in enumerate(program.outputs):
-        if isinstance(a, Var) and a in live.needs and j not in outside:  # (outside: no cotangent, see there)
+        # (outside: no cotangent, but for an intermediate the op carries there; see _outside_outputs)
+        a = outside.carried.get(j, a)
+        if isinstance(a, Var) and a in live.needs and (j not in outside or j in outside.carried):
             accumulate(a, "cts" if program.out_tree == LEAF else f"cts[{j}]")
     for e in live.live:
         # A step none of whose output cotangents is known to exist runs only if one does (at run

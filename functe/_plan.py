@@ -268,7 +268,7 @@ class _Variant:
     def __init__(self, plan: Plan, needs_grad: tuple[bool, ...] | None):
         program, name = plan.program, plan.name
         wanted = None if needs_grad is None else frozenset(v for v, n in zip(program.inputs, needs_grad) if n)
-        self.liveness = _Liveness(program, plan.joint, plan.backward, wanted, frozenset(plan.outside))
+        self.liveness = _Liveness(program, plan.joint, plan.backward, wanted, plan.outside)
         # opaque ops whose backward step does not run: their forward, inside the node, hides what
         # they capture from autograd (see Plan.check_captured)
         owners = {o for e in self.liveness.live for o in _owners(e)}

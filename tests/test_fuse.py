@@ -1084,6 +1084,39 @@ def test_outside_outputs_under_torch_func_and_compile():
     assert_close(torch.autograd.grad(loss(lambda *_: out)(xr, w), xr)[0], expected)
 
 
+def _reshaped_intermediate(x):
+    h = ops.gelu(x)  # (no output: only its reshapes are)
+    flat = h.reshape(-1)
+    return flat, h.reshape(2, -1), flat
+
+
+def test_reshapes_of_an_intermediate_are_views_a_caller_may_write_in_place():
+    # Returned from inside the fused op, a reshape of an intermediate was a view torch made inside
+    # an autograd.Function; compiled, writing to it raised "Output 0 of CompiledFunction is a view
+    # and is being modified inplace" where the unfused function (compiled or not) gives the
+    # gradient. The op now carries the intermediate and the caller reshapes it.
+    plan = functe.fuse(_reshaped_intermediate).plan(make((4, 3)))
+    assert plan.outside == {0: (0, ((-1,),)), 1: (0, ((2, -1),)), 2: (0, ())}
+    assert list(plan.outside.carried.items()) == [(0, plan.program.eqns[0].outputs[0])]
+    x0 = make((4, 3), F64)
+    fused = functe.fuse(_reshaped_intermediate)
+    results = []
+    for fn in (_reshaped_intermediate, fused, torch.compile(fused, backend="aot_eager")):
+        x = x0.clone().requires_grad_()
+        flat, rows, again = fn(x)
+        assert again is flat and flat._base is rows._base is not None
+        flat.mul_(3.0)  # (rows sees it: one storage)
+        loss = flat.pow(2).sum() + 2 * rows.pow(3).sum() + again.sum()
+        results.append((rows.detach().clone(), torch.autograd.grad(loss, x)[0]))
+    for rows, grad in results[1:]:
+        assert_close(rows, results[0][0])
+        assert_close(grad, results[0][1])
+    loss = lambda fn: lambda x: sum((i + 1) * t.pow(2).sum() for i, t in enumerate(fn(x)))
+    assert_close(torch.func.grad(loss(fused))(x0), torch.func.grad(loss(_reshaped_intermediate))(x0))
+    unused = torch.func.grad(lambda x: fused(x)[1].sum())(x0)  # (the carried position unused)
+    assert_close(unused, torch.func.grad(lambda x: _reshaped_intermediate(x)[1].sum())(x0))
+
+
 def test_only_residuals_of_live_backward_steps_are_kept():
     def fn(x, w1, w2):
         unused = ops.linear(x, w2)  # its backward never runs: no residuals kept for it
