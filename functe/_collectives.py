@@ -374,7 +374,8 @@ def _check_registered(group: Group, who: str) -> None:
     if found is None or dist.get_world_size(found) != group.size:
         raise ArgumentError(
             f"functe.{who}: argument 'group' is {group!r}, but no initialised torch.distributed process group "
-            f"has that name{' and size' if found is not None else ''}; pass the ProcessGroup itself"
+            f"has that name{' and size' if found is not None else ''}; pass a live ProcessGroup itself (one "
+            "torch.distributed.destroy_process_group destroyed is no longer registered)"
         )
 
 

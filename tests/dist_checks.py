@@ -746,6 +746,9 @@ def group_and_dtype_errors() -> list[str]:
     cases = [lambda: ops.all_gather(torch.ones(3, dtype=torch.int8 if rank() == 0 else torch.bool))]
     if rank() == 0:
         cases.append(lambda: ops.all_gather(torch.ones(2), group=outside))
+    destroyed = dist.new_group([0, 1])
+    dist.destroy_process_group(destroyed)  # (its message advised passing the ProcessGroup: it was passed)
+    cases.append(lambda: ops.all_reduce(torch.ones(2), group=destroyed))
     return _errors_of(cases)
 
 

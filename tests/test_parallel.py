@@ -384,7 +384,7 @@ def test_gradient_reduction_meets_a_raising_rank_or_another_collective(pool):
 
 
 @pytest.mark.distributed
-def test_a_non_member_group_and_dtypes_outside_the_old_table_are_named(pool):
+def test_a_non_member_group_a_destroyed_group_and_dtypes_outside_the_old_table_are_named(pool):
     first, second = pool.run(checks.group_and_dtype_errors, timeout=60)
     # int8 on rank 0 and bool on rank 1 both had code -1: gloo reinterpreted the bytes silently
     assert all(
@@ -392,6 +392,9 @@ def test_a_non_member_group_and_dtypes_outside_the_old_table_are_named(pool):
         for m in (first[0], second[0])
     )
     assert first[1].startswith("ArgumentError: functe.all_gather: argument 'group': this rank (0) is not a member")
+    for errors in (first, second):
+        assert errors[-1].startswith("ArgumentError: functe.all_reduce: argument 'group' is Group(")
+        assert "pass a live ProcessGroup itself (one torch.distributed.destroy_process_group destroyed" in errors[-1]
 
 
 @pytest.mark.distributed
