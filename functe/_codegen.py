@@ -406,17 +406,23 @@ def _outside_outputs(program: OpList) -> Outside:
         if isinstance(a, Var) and a not in first:
             first[a] = k
     inputs = set(program.inputs)
-    # (a chain ends at a variable no reshape made: an output of the Function, or an intermediate)
-    chains = {a: chain for a in first if (chain := _reshape_chain(a, producer, _reshape)) and chain[0] not in inputs}
-    # An output read by an op stays inside, unless each reader is a reshape whose result is built
-    # outside too (y, y.reshape(a), y.reshape(a).reshape(b)); dropping one can drop its sources' readers.
+    # A reshape read by an op stays inside, unless each reader is a reshape whose result can be
+    # built outside too, returned or not (y, y.reshape(a), y.reshape(a).reshape(b)); dropping one
+    # can drop its sources' readers.
+    movable = {e.outputs[0] for e in program.eqns if e.op is _reshape}
     changed = True
     while changed:
         changed = False
-        for a in list(chains):
-            if any(e.op is not _reshape or e.outputs[0] not in chains for e in readers.get(a, ())):
-                del chains[a]
+        for v in list(movable):
+            if any(e.op is not _reshape or e.outputs[0] not in movable for e in readers.get(v, ())):
+                movable.discard(v)
                 changed = True
+    # (a chain ends at a variable no reshape made: an output of the Function, or an intermediate)
+    chains = {
+        a: chain
+        for a in first
+        if a in movable and (chain := _reshape_chain(a, producer, _reshape)) and chain[0] not in inputs
+    }
     outside = Outside()
     for k, a in enumerate(program.outputs):
         if not isinstance(a, Var):

@@ -1117,6 +1117,28 @@ def test_reshapes_of_an_intermediate_are_views_a_caller_may_write_in_place():
     assert_close(unused, torch.func.grad(lambda x: _reshaped_intermediate(x)[1].sum())(x0))
 
 
+def test_a_reshape_chain_through_an_unreturned_reshape_is_built_outside():
+    # (from a fuzz: the middle reshape, not returned, kept `flat` inside while the last output was
+    # built from the carried intermediate, so the node returned two views of one buffer, and a
+    # write on either raised "Output 0 of fused_g_eager is a view ... returns multiple views")
+    def g(x):
+        flat = ops.gelu(x).reshape(-1)
+        return flat, flat.reshape(2, -1).reshape(-1, 3)
+
+    plan = functe.fuse(g).plan(make((4, 3)))
+    assert plan.outside == {0: (0, ((-1,),)), 1: (0, ((-1,), (2, -1), (-1, 3)))}
+    assert list(plan.outside.carried) == [0]
+    x0 = make((4, 3), F64)
+    for k in (0, 1):
+        grads = []
+        for fn in (g, functe.fuse(g)):
+            x = x0.clone().requires_grad_()
+            out = fn(x)
+            out[k].mul_(3.0)
+            grads.append(torch.autograd.grad(sum((i + 1) * o.pow(2).sum() for i, o in enumerate(out)), x)[0])
+        assert_close(grads[1], grads[0])
+
+
 def test_only_residuals_of_live_backward_steps_are_kept():
     def fn(x, w1, w2):
         unused = ops.linear(x, w2)  # its backward never runs: no residuals kept for it
