@@ -17,13 +17,13 @@ from ._tree import (
     tree_leaves,
     tree_unflatten,
 )
-from ._vjp import (
-    _Call,
+from ._vjp_checks import (
     _flatten_cotangents,
     argument_needs,
     cotangent_count_error,
     input_labels,
 )
+from ._vjp_layout import _Call
 
 Tensor = torch.Tensor
 

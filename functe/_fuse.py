@@ -79,8 +79,8 @@ from ._tree import (
 )
 from ._vjp import (
     _refuse_compiled_transforms,
-    positional_names,
 )
+from ._vjp_checks import positional_names
 
 Tensor = torch.Tensor
 

@@ -22,7 +22,7 @@ from ._tree import (
     argument_labels,
     rebuild_dataclass,
 )
-from ._vjp import (
+from ._vjp_checks import (
     positional_names,
 )
 

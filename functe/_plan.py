@@ -31,13 +31,11 @@ from ._tree import (
     tree_unflatten,
 )
 from ._vjp import (
-    _guard,
-    check_gradients,
     custom_vjp,
-    first_order_only,
-    higher_order_anchor,
     run_outside_graph,
 )
+from ._vjp_checks import check_gradients
+from ._vjp_guard import _guard, first_order_only, higher_order_anchor
 
 Tensor = torch.Tensor
 
@@ -368,7 +366,7 @@ def program_input_labels(program: OpList, names: tuple[str, ...]) -> list[str]:
 
 
 def _second_order(function: str) -> tuple[str, str]:
-    """What a fused plan's second-order error says (see ``_vjp._HigherOrderGuard``)."""
+    """What a fused plan's second-order error says (see ``_vjp_guard._HigherOrderGuard``)."""
     return (
         f"functe.fuse({function})",
         "the fused plan's backward uses intermediate results of its ops (a pre-activation, a quantized "

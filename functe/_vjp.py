@@ -35,11 +35,16 @@ style (``forward`` without ctx, plus ``setup_context``), which is the only style
   custom_vjp op whose rules are the op's forward and backward rules under
   ``torch.vmap`` (with the caller's ``randomness``), so an op batches exactly as the
   ops and kernels it is made of, and a gradient taken outside the vmap
-  (``grad(vmap(f))``) still runs the op's backward rule (:class:`_Batch`).
+  (``grad(vmap(f))``) still runs the op's backward rule (:class:`functe._vjp_batch._Batch`).
   ``batching=None`` makes ``vmap`` raise a clear error.
 * **jvp** (forward mode, ``jacfwd``, ``torch.autograd.forward_ad``) differentiates
   the forward rule in forward mode (:func:`functe._kernel.forward_tangents`), so
   it is exact whenever the forward rule is differentiable.
+
+Modules: the call layout (flattened arguments, residuals split by origin) lives in
+:mod:`functe._vjp_layout`, the checks of a backward rule's cotangents and the per-argument
+gradient flags in :mod:`functe._vjp_checks`, the batched twin in :mod:`functe._vjp_batch`, and the
+second-order guard in :mod:`functe._vjp_guard`.
 """
 
 from __future__ import annotations
@@ -57,190 +62,43 @@ import torch
 from torch.autograd import forward_ad
 
 from ._autocast import without_autocast
-from ._backend import PLAIN_TENSOR_TYPES, any_tangent, forward_ad_active, unaliased_outputs
-from ._errors import ArgumentError, RuleError, TransformError, called_as, check_flag, describe, describe_shape
+from ._backend import any_tangent, forward_ad_active
+from ._errors import ArgumentError, RuleError, TransformError, called_as, check_flag, describe
 from ._kernel import (
-    _with,
     empty_batched,
     forward_tangents,
     output_strides,
     refuse_forward_over_forward,
-    vmap_call,
     with_layout,
 )
 from ._pickling import global_name, named, reachable_by_name
 from ._rng import RandomState
-from ._tree import PyTreeSpec, argument_labels, same_structure, tree_flatten, tree_unflatten, with_contents
+from ._tree import tree_unflatten, with_contents
+from ._vjp_batch import _Batch, _batched_bwd, _batched_fwd, _batched_prune
+from ._vjp_checks import _flatten_cotangents, argument_needs
+from ._vjp_guard import _guard, second_order_subject
+from ._vjp_layout import (
+    _CONST,
+    _IN,
+    _NEW,
+    _OUT,
+    _Call,
+    _flatten,
+    _output_leaves,
+    _pruned,
+    _run_forward,
+    _split_result,
+    _unflatten,
+)
 
 Tensor = torch.Tensor
 
-_IN, _OUT, _NEW, _CONST = 0, 1, 2, 3
-_LEAF = tree_flatten(0)[1]  # the spec of a single leaf
-# _FLAT[n]: the spec of a plain tuple of n leaves (the common call: tensors and Nones as arguments)
-_FLAT = tuple(tree_flatten((0,) * n)[1] for n in range(17))
 _VARARGS = inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
 
 # While ``functe.trace`` runs a function, the recorder that turns an op call on
 # traced values into an equation of the op list (see functe._trace); ``None``
 # otherwise. A plain module global: the eager path pays one global lookup.
 _recorder: Callable | None = None
-
-
-class _Call:
-    """The non-tensor part of one call: the argument structure and the static values.
-
-    (The op itself is closed over by its Function class: Dynamo cannot carry
-    arbitrary objects through ``autograd.Function.apply`` arguments.)
-    """
-
-    __slots__ = ("in_tree", "static")
-
-    def __init__(self, in_tree: PyTreeSpec, static: dict[str, Any]):
-        self.in_tree = in_tree
-        self.static = static
-
-
-class _Layout:
-    """How forward's flat outputs split into primal outputs and residuals."""
-
-    __slots__ = ("guarded", "n_new", "n_out", "out_tree", "plan", "res_tree")
-
-    def __init__(self, out_tree, n_out, res_tree, plan, n_new, guarded):
-        self.out_tree = out_tree
-        self.n_out = n_out
-        self.res_tree = res_tree
-        self.plan = plan  # per residual leaf: (_IN, i) | (_OUT, j) | (_NEW, k) | (_CONST, value)
-        self.n_new = n_new
-        # whether a new residual is an intermediate (not a constant_residual): its backward, when
-        # differentiated, goes through the guard
-        self.guarded = guarded
-
-
-def _flatten(tree, compiling: bool) -> tuple[list, PyTreeSpec]:
-    """``tree_flatten(tree)``, without the pytree walk for the common eager cases: a plain tensor, or
-    a tuple of plain tensors and Nones (~5 us a call). Not while compiling: Dynamo models optree with
-    its own spec objects and cannot use one made outside."""
-    if not compiling:
-        kind = type(tree)
-        if kind in PLAIN_TENSOR_TYPES:
-            return [tree], _LEAF
-        if kind is tuple and len(tree) < len(_FLAT):
-            for leaf in tree:
-                if leaf is not None and type(leaf) not in PLAIN_TENSOR_TYPES:
-                    return tree_flatten(tree)
-            return list(tree), _FLAT[len(tree)]
-    return tree_flatten(tree)
-
-
-def _unflatten(spec: PyTreeSpec, leaves, compiling: bool):
-    """``tree_unflatten(spec, leaves)``, without optree for the specs :func:`_flatten` makes."""
-    if not compiling:
-        if spec is _LEAF:
-            return leaves[0]
-        if len(leaves) < len(_FLAT) and spec is _FLAT[len(leaves)]:
-            return tuple(leaves)
-    return tree_unflatten(spec, leaves)
-
-
-def _index_of(value: Tensor, candidates) -> int:
-    for i, c in enumerate(candidates):
-        if c is value:
-            return i
-    return -1
-
-
-def _split_result(name: str, result) -> tuple[Any, Any]:
-    """The forward rule's ``(out, residuals)``, or a clear error."""
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise RuleError(f"functe.{name}: the forward rule must return (out, residuals), got {describe(result)}")
-    return result
-
-
-def _output_leaves(name: str, out, leaves, compiling: bool | None = None) -> tuple[list, PyTreeSpec]:
-    """``out``'s leaves (checked: tensors or None) and structure, inputs among them as views.
-
-    An output that is an input object would make autograd treat the op as an
-    in-place one; a view keeps the op functional and costs nothing.
-    """
-    # The common case without a pytree walk (not while compiling: Dynamo models
-    # optree with its own spec objects and cannot use a spec made outside).
-    if compiling is None:
-        compiling = torch.compiler.is_compiling()
-    if isinstance(out, Tensor) and not compiling:
-        out_leaves, out_tree = [out], _LEAF
-    else:
-        out_leaves, out_tree = _flatten(out, compiling)
-        for leaf in out_leaves:
-            if leaf is not None and not isinstance(leaf, Tensor):
-                raise RuleError(f"functe.{name}: forward outputs must be tensors or None, got {describe(leaf)}")
-    out_leaves = [o.view_as(o) if isinstance(o, Tensor) and _index_of(o, leaves) >= 0 else o for o in out_leaves]
-    return out_leaves, out_tree
-
-
-def _run_forward(
-    name: str, fwd: Callable, call: _Call, leaves, constants: tuple[Tensor, ...] = ()
-) -> tuple[list, list, _Layout]:
-    """Run the forward rule on flat leaves; return (out leaves, new residuals, layout).
-
-    ``constants``: the op's ``constant_residuals`` (new residuals that need no guard; compared with
-    ``is``, not ``id``, which Dynamo would guard on)."""
-    compiling = torch.compiler.is_compiling()
-    args = _unflatten(call.in_tree, leaves, compiling)
-    out, res = _split_result(name, fwd(*args, **call.static))
-    out_leaves, out_tree = _output_leaves(name, out, leaves, compiling)
-    res_leaves, res_tree = _flatten(res, compiling)
-    plan, new = [], []
-    guarded = False
-    for r in res_leaves:
-        # (inputs first: a residual that is an input returned as an output is saved as the input)
-        if not isinstance(r, Tensor):
-            plan.append((_CONST, r))
-        elif (i := _index_of(r, leaves)) >= 0:
-            plan.append((_IN, i))
-        elif (j := _index_of(r, out_leaves)) >= 0:
-            plan.append((_OUT, j))
-        elif (k := _index_of(r, new)) >= 0:
-            plan.append((_NEW, k))
-        else:
-            plan.append((_NEW, len(new)))
-            new.append(r)
-            guarded = guarded or _index_of(r, constants) < 0
-    if new:
-        new.append(higher_order_anchor(new[0]))
-    # (after the plan: residuals that are outputs are saved as the outputs returned, by position)
-    out_leaves = unaliased_outputs(out_leaves, leaves)[0]
-    layout = _Layout(out_tree, len(out_leaves), res_tree, tuple(plan), len(new), guarded)
-    return out_leaves, new, layout
-
-
-def _residual_leaves(layout: _Layout, sources: dict) -> list:
-    """The residual leaves ``layout`` describes, taken from ``sources`` (``_IN``/``_OUT``/``_NEW`` lists)."""
-    return [value if kind == _CONST else sources[kind][value] for kind, value in layout.plan]
-
-
-def _pruned(name: str, prune: Callable, layout: _Layout, sources: dict, call: _Call, needs: tuple) -> _Layout:
-    """``layout`` with the residuals ``prune`` drops for these gradient needs made constant ``None``s,
-    which are not saved (see ``prune_residuals`` in :class:`CustomVJP`)."""
-    leaves = _residual_leaves(layout, sources)
-    residuals = tree_unflatten(layout.res_tree, leaves)
-    kept = prune(residuals, needs_input_grad=needs, **call.static)
-    if kept is residuals:  # (nothing dropped: a frozen FP8 state, say)
-        return layout
-    kept_leaves, kept_tree = tree_flatten(kept)
-    if kept_tree != layout.res_tree or any(k is not None and k is not r for k, r in zip(kept_leaves, leaves)):
-        raise RuleError(
-            f"functe.{name}: prune_residuals must return the residuals it was given with some leaves "
-            f"replaced by None, got {describe(kept)}"
-        )
-    plan = tuple(entry if k is not None else (_CONST, None) for entry, k in zip(layout.plan, kept_leaves))
-    return _Layout(layout.out_tree, layout.n_out, layout.res_tree, plan, layout.n_new, layout.guarded)
-
-
-def higher_order_anchor(like: Tensor) -> Tensor:
-    """An empty float tensor on ``like``'s device: returned as a differentiable output of an op whose
-    residuals include intermediates and saved for its backward, where :func:`_guard` hangs on it
-    (last among the new residual outputs; see the module docstring)."""
-    return torch.empty(0, device=like.device)
 
 
 class CustomVJP:
@@ -647,362 +505,8 @@ def _call_mode(leaves) -> str:
     return _EAGER if records or any_tangent(leaves) else _FORWARD_ONLY
 
 
-class _HigherOrderGuard(torch.autograd.Function):
-    """Identity on ``tensors`` whose backward raises: marks cotangents that are not differentiable
-    further. Its outputs are on the graph whenever the ``anchor`` is (see the module docstring)."""
-
-    @staticmethod
-    def forward(name, anchor, *tensors):
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.name = inputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        subject, reason = _second_order_subject(ctx.name)
-        raise TransformError(f"{subject}: second-order derivatives are not supported: {reason}")
-
-    @staticmethod
-    def vmap(info, in_dims, name, anchor, *tensors):
-        # The guard again at the unbatched level: a view here would let an outer grad level
-        # differentiate through (hessian, jacrev(jacrev) gave wrong values instead of raising).
-        return _HigherOrderGuard.apply(name, anchor, *tensors), tuple(in_dims[2:])
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        subject, reason = _second_order_subject(ctx.name)
-        raise TransformError(
-            f"{subject}: forward-mode derivatives of its backward (jvp of grad) are not supported: {reason}"
-        )
-
-
-QUANTIZED_FIRST_ORDER = (
-    "it quantizes its operands (FP8 or block-scaled) and the cast has no derivative: it is differentiated "
-    "straight-through, to first order only"
-)
-
-
-def first_order_only(fwd: Callable, subject: str, reason: str) -> Callable:
-    """``fwd``, marked with what a second-order error through its op says (``subject: ... not
-    supported: reason``), for an op that knows better than the generic reason (a quantizing linear,
-    a fused plan). Set before ``custom_vjp`` wraps ``fwd`` (the wrapper copies the mark); read by
-    the guard through :func:`second_order_subject`."""
-    fwd.second_order = (subject, reason)
-    return fwd
-
-
-def quantized_first_order(fwd: Callable, op: str) -> Callable:
-    """:func:`first_order_only` for the quantizing op ``op`` (its cast has no derivative)."""
-    return first_order_only(fwd, f"functe.{op}", QUANTIZED_FIRST_ORDER)
-
-
-def second_order_subject(fwd: Callable, name: str) -> str | tuple[str, str]:
-    """What a guarded backward's error names: the mark :func:`first_order_only` left on ``fwd``, or
-    the op's ``name``."""
-    return getattr(fwd, "second_order", name)
-
-
-def _second_order_subject(name: str | tuple[str, str]) -> tuple[str, str]:
-    """``(who, why and what to do)`` for the error of a guarded backward (see :func:`second_order_subject`)."""
-    if isinstance(name, tuple):
-        return name
-    return (
-        f"functe.{name}",
-        "its backward rule uses intermediate results of the forward pass, whose dependence on the inputs "
-        "autograd cannot see. Differentiate through the unfused reference instead, or define the op so that "
-        "its residuals are only its inputs and outputs.",
-    )
-
-
-def _guard(name: str | tuple[str, str], flat: list, anchor: Tensor) -> list:
-    """``flat`` (the gradients a backward rule returned) through :class:`_HigherOrderGuard`."""
-    positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor)]
-    if not positions:
-        return flat
-    guarded = _HigherOrderGuard.apply(name, anchor, *(flat[i] for i in positions))
-    flat = list(flat)
-    for i, t in zip(positions, guarded):
-        flat[i] = t
-    return flat
-
-
 def _differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
-
-
-def _flatten_cotangents(
-    name: str, call: _Call, cts: Any, in_meta: list, fwd: Callable, where: str = "", labels: Callable | None = None
-) -> list:
-    """The backward rule's cotangents ``cts`` (one per positional argument) as flat leaves, checked
-    against the inputs' structure and ``in_meta``; an error names an input by ``labels()`` (default:
-    :func:`input_labels`) and ends with ``where``."""
-    compiling = torch.compiler.is_compiling()
-    labels = labels or (lambda: input_labels(fwd, call.in_tree))
-    if (
-        not compiling
-        and isinstance(cts, tuple)
-        and len(cts) < len(_FLAT)
-        and call.in_tree is _FLAT[len(cts)]
-        and all(ct is None or isinstance(ct, Tensor) for ct in cts)
-    ):
-        # (every argument one leaf, every cotangent a tensor or None: the structures match)
-        flat = list(cts)
-        check_gradients(name, flat, in_meta, where, labels, compiling)
-        return flat
-    arg_trees = call.in_tree.children()
-    if not isinstance(cts, tuple) or len(cts) != len(arg_trees):
-        raise cotangent_count_error(name, cts, len(arg_trees), where)
-    flat: list = []
-    for index, (tree, ct) in enumerate(zip(arg_trees, cts)):
-        if ct is None:
-            flat.extend([None] * tree.num_leaves)
-            continue
-        ct_leaves, ct_tree = tree_flatten(ct)
-        if not same_structure(ct_tree, tree):
-            raise RuleError(
-                f"functe.{name}: cotangent {index} from the backward rule has structure {ct_tree}, "
-                f"expected the argument's structure {tree}{where}"
-            )
-        flat.extend(ct_leaves)
-    check_gradients(name, flat, in_meta, where, labels, compiling)
-    return flat
-
-
-def input_labels(fwd: Callable, in_tree: PyTreeSpec) -> list[str]:
-    """How errors name each input leaf of a call flattened as ``in_tree``: by the forward rule's
-    parameter names and the key path inside each argument, or by the labels a generated rule
-    carries as its ``input_labels`` attribute (a function giving them: a fused program's, named after
-    its caller's arguments)."""
-    given = getattr(fwd, "input_labels", None)
-    if given is not None:
-        return list(given())
-    return argument_labels(in_tree, names=positional_names(fwd))
-
-
-def positional_names(fn: Callable) -> list[str]:
-    """The names of ``fn``'s positional parameters (none where it has no signature to read; a
-    module's are its ``forward``'s: its ``__call__`` takes ``*args``)."""
-    if isinstance(fn, torch.nn.Module):
-        fn = fn.forward
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # (a builtin or a C function: positions only)
-        return []
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in parameters if p.kind in positional]
-
-
-def cotangent_count_error(name: str, cts: Any, count: int, where: str = "") -> RuleError:
-    """The error for a backward rule whose result is not a tuple of ``count`` cotangents."""
-    return RuleError(
-        f"functe.{name}: the backward rule must return a tuple of {count} cotangents "
-        f"(one per positional argument), got {describe(cts)}"
-        + (f" of length {len(cts)}" if isinstance(cts, tuple) else "")
-        + where
-    )
-
-
-def check_gradients(
-    name: str, grads, in_meta: list, hint: str = "", labels: Callable | None = None, compiling: bool | None = None
-) -> None:
-    """Every non-None gradient has its input's ``(shape, dtype)`` (``in_meta``; ``None`` for a
-    non-tensor input, which takes no gradient), else a :class:`functe.RuleError` naming the input by
-    ``labels()`` (one label per input; by its position without) (autograd would
-    silently sum a ``[1,N]`` gradient to ``[N]``, or cast it). While compiling, symbolic sizes are
-    not compared (Dynamo could not compare one saved by the forward: a strict torch.export with a
-    dynamic batch failed on it); the rank and the dtype still are."""
-    if compiling is None:
-        compiling = torch.compiler.is_compiling()
-    for index, (ct, meta) in enumerate(zip(grads, in_meta)):
-        if ct is None:
-            continue
-        if (
-            meta is None
-            or not isinstance(ct, Tensor)
-            or ct.dtype != meta[1]
-            or not _same_shape(ct.shape, meta[0], compiling)
-        ):
-            expected = "None" if meta is None else describe_shape(meta[1], meta[0])
-            label = f"input leaf {index}" if labels is None else labels()[index]
-            raise RuleError(
-                f"functe.{name}: the backward rule returned {describe(ct)} for {label}, expected {expected}{hint}"
-            )
-
-
-def _same_shape(shape, expected, compiling: bool) -> bool:
-    # (while compiling, the rank only: comparing even the concrete sizes of a shape the forward saved
-    # made Dynamo fail, "argument of type LazyProxy", under a strict export with a dynamic batch)
-    return len(shape) == len(expected) if compiling else shape == expected
-
-
-def argument_needs(leaf_needs, in_tree: PyTreeSpec) -> tuple[bool, ...]:
-    """Per positional argument of a call flattened as ``in_tree``, whether any of its leaves wants a
-    cotangent (``leaf_needs``: one flag per leaf), as a ``needs_input_grad`` rule takes it."""
-    sizes = _ARGUMENT_SIZES.get(in_tree, _UNKNOWN)
-    if sizes is _UNKNOWN:  # (walking the spec's children costs ~1.5 us; this runs in every backward)
-        if len(_ARGUMENT_SIZES) > 4096:
-            _ARGUMENT_SIZES.clear()
-        sizes = tuple(tree.num_leaves for tree in in_tree.children())
-        sizes = _ARGUMENT_SIZES[in_tree] = None if all(n == 1 for n in sizes) else sizes
-    if sizes is None:  # one leaf per argument
-        return tuple(leaf_needs)
-    flags, offset = [], 0
-    for n in sizes:
-        flags.append(any(leaf_needs[offset : offset + n]))
-        offset += n
-    return tuple(flags)
-
-
-# per call structure: leaves per argument, None when each argument is one leaf
-_ARGUMENT_SIZES: dict[PyTreeSpec, tuple[int, ...] | None] = {}
-_UNKNOWN = object()
-
-
-class _Batch:
-    """One batched call of an op (its vmap rule's arguments), the static argument of its batched twin.
-
-    The twin is itself a custom_vjp op whose forward rule runs the op's forward rule under
-    ``torch.vmap`` and whose backward rule runs the op's backward rule under ``torch.vmap``. The vmap
-    rule calls the twin instead of vmapping the forward rule directly, so that a gradient taken
-    *outside* the vmap (``grad(vmap(f))``, ``jacrev(vmap(f))``, a vmapped forward then
-    ``.backward()``) records the op's backward rule, as it does inside (``vmap(grad(f))``): running
-    the vmapped forward rule bare would let the outer level differentiate its torch ops instead
-    (silently wrong for a straight-through rule, and an FP8 cast refused to be differentiated).
-    The twin keeps only the batched inputs and outputs the op's residual layout refers to, pruned
-    further by the op's own ``prune_residuals`` for the wanted gradients, and the generators' state a
-    random forward started from (its ``jvp`` replays the draw).
-    """
-
-    __slots__ = (
-        "bwd",
-        "call",
-        "constants",
-        "dims",
-        "fwd",
-        "in_meta",
-        "layout",
-        "leaves",
-        "name",
-        "needs",
-        "out_meta",
-        "positions",
-        "prune",
-        "random",
-        "symbolic_zeros",
-    )
-
-    def __init__(self, name, fwd, bwd, call, leaves, positions, dims, randomness, flags, constants):
-        self.name, self.fwd, self.bwd, self.call = name, fwd, bwd, call
-        self.constants = constants
-        self.leaves = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-        self.positions = positions
-        self.dims = tuple(None if d is None else 0 for d in dims)  # (batched tensors arrive moved to dim 0)
-        self.random = randomness
-        self.needs, self.prune, self.symbolic_zeros = flags
-        # set by the forward, per member: the op's residual layout, its outputs' and inputs' metadata
-        self.layout: _Layout | None = None
-        self.out_meta: list = []
-        self.in_meta: list = []
-
-    def full(self, tensors) -> list:
-        """The op's argument leaves with these (member or batched) tensors in the tensor positions."""
-        return _with(self.leaves, self.positions, tensors)
-
-    def wanted(self, needs_input_grad) -> list[bool]:
-        """Per argument leaf of the op, whether it wants a gradient (the twin's flags are per tensor)."""
-        return _with([False] * len(self.leaves), self.positions, needs_input_grad)
-
-    def outputs(self, flat_outs) -> list:
-        """The op's output leaves (``None`` where it returned none) from the twin's flat outputs."""
-        it = iter(flat_outs)
-        return [None if meta is None else next(it) for meta in self.out_meta]
-
-
-def _batched_fwd(*tensors, batch: _Batch):
-    def member(*ts):
-        leaves = batch.full(ts)
-        out_leaves, new, layout = _run_forward(batch.name, batch.fwd, batch.call, leaves, batch.constants)
-        batch.layout = layout
-        batch.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, Tensor) else None for o in out_leaves]
-        batch.in_meta = [(t.shape, t.dtype) if isinstance(t, Tensor) else None for t in leaves]
-        return (*(o for o in out_leaves if o is not None), *new)
-
-    flat = vmap_call(member, batch.dims, tensors, randomness=batch.random)
-    plan = batch.layout.plan
-    used_in = {i for kind, i in plan if kind == _IN}
-    used_out = {j for kind, j in plan if kind == _OUT}
-    n_out = len(flat) - batch.layout.n_new
-    # Residuals: only the batched inputs and outputs the op's residual layout refers to, the
-    # intermediates (the anchor among them), and a random forward's generator state (see _Batch).
-    ins = tuple(t if i in used_in else None for i, t in zip(batch.positions, tensors))
-    outs = tuple(o if j in used_out else None for j, o in enumerate(batch.outputs(flat[:n_out])) if o is not None)
-    states = tuple(v for kind, v in plan if kind == _CONST and isinstance(v, RandomState))[:1]
-    return flat, (ins, outs, tuple(flat[n_out:]), states)
-
-
-def _batched_prune(res, *, batch: _Batch, needs_input_grad):
-    """The twin's residuals the wanted gradients read: the op's own ``prune_residuals`` decides on
-    the batched tensors standing in for the members' (it only says which leaves to keep)."""
-    if batch.prune is None:
-        return res
-    ins, outs, new, states = res
-    wanted = batch.wanted(needs_input_grad)
-    layout = batch.layout
-    sources = {_IN: batch.full(ins), _OUT: batch.outputs(outs), _NEW: new}
-    leaves = _residual_leaves(layout, sources)
-    needs = argument_needs(wanted, batch.call.in_tree)
-    pruned = batch.prune(tree_unflatten(layout.res_tree, leaves), needs_input_grad=needs, **batch.call.static)
-    kept = tree_flatten(pruned)[0]
-    keep = {id(t) for t, k in zip(leaves, kept) if isinstance(t, Tensor) and k is not None}
-    dropped = {id(t) for t in leaves if isinstance(t, Tensor)} - keep
-    if not dropped:
-        return res
-    ins = tuple(None if t is not None and id(t) in dropped else t for t in ins)
-    outs = tuple(None if t is not None and id(t) in dropped else t for t in outs)
-    return ins, outs, new, states
-
-
-def _batched_bwd(res, cts, *, batch: _Batch, needs_input_grad):
-    ins, outs, new, _ = res
-    layout = batch.layout
-    n_out = len(cts) - layout.n_new
-    wanted = batch.wanted(needs_input_grad)
-    returned: list[int] = []
-
-    def member(ts, member_outs, member_new, out_cts):
-        leaves = batch.full(ts)
-        ct_leaves = batch.outputs(out_cts)
-        if not batch.symbolic_zeros:  # (the op's rule expects zeros for an unused output, as autograd gives)
-            ct_leaves = [
-                torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None and meta is not None else g
-                for g, meta in zip(ct_leaves, batch.out_meta)
-            ]
-        sources = {_IN: leaves, _OUT: batch.outputs(member_outs), _NEW: member_new}
-        res_leaves = _residual_leaves(layout, sources)
-        residuals = tree_unflatten(layout.res_tree, res_leaves)
-        extra = {"needs_input_grad": argument_needs(wanted, batch.call.in_tree)} if batch.needs else {}
-        grads = batch.bwd(residuals, tree_unflatten(layout.out_tree, ct_leaves), **extra, **batch.call.static)
-        flat_grads = _flatten_cotangents(batch.name, batch.call, grads, batch.in_meta, batch.fwd)
-        returned[:] = [k for k, i in enumerate(batch.positions) if isinstance(flat_grads[i], Tensor)]
-        return tuple(flat_grads[batch.positions[k]] for k in returned)
-
-    def dims(items, batched) -> tuple:
-        return tuple(
-            None if t is None else (batched[k] if isinstance(batched, tuple) else 0) for k, t in enumerate(items)
-        )
-
-    out_cts = tuple(cts[:n_out])
-    in_dims = (dims(ins, batch.dims), dims(outs, 0), dims(new, 0), dims(out_cts, 0))
-    grads = vmap_call(member, in_dims, (ins, outs, new, out_cts), randomness=batch.random)
-    result = [None] * len(ins)
-    for k, g in zip(returned, grads):
-        # (an unbatched input gets the sum of the members' cotangents)
-        result[k] = g.sum(0) if batch.dims[k] is None else g
-    if layout.guarded and torch.is_grad_enabled():  # (its backward uses intermediates: see _guard)
-        result = _guard(second_order_subject(batch.fwd, batch.name), result, new[-1])
-    return tuple(result)
 
 
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame

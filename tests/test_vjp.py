@@ -369,7 +369,7 @@ def test_jvp_under_no_grad_still_uses_the_function():
 
 def test_argument_needs_groups_leaf_flags_by_argument():
     from functe._tree import tree_flatten
-    from functe._vjp import argument_needs
+    from functe._vjp_checks import argument_needs
 
     spec = lambda args: tree_flatten(args)[1]
     assert argument_needs((True, False, False), spec((1, 2, None))) == (True, False, False)

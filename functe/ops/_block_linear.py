@@ -31,7 +31,8 @@ from .._fp8_gemm import gemm_nt
 from .._recipe import NVFP4BlockScaling
 from .._seed import seed_tensor
 from .._trace import tracing
-from .._vjp import custom_vjp, differentiated, quantized_first_order
+from .._vjp import custom_vjp, differentiated
+from .._vjp_guard import quantized_first_order
 from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 

@@ -44,7 +44,8 @@ from .._parallel import (
 from .._quantize import QUANTIZABLE, cast, cast_dbias
 from .._recipe import BLOCK_RECIPES, DelayedScaling, MXFP8BlockScaling, Recipe, check_recipe
 from .._seed import seed_tensor
-from .._vjp import custom_vjp, quantized_first_order
+from .._vjp import custom_vjp
+from .._vjp_guard import quantized_first_order
 from ..kernels._common import rows_view
 from ..kernels.elementwise import BIAS_GRAD
 from ..kernels.quantize import MXFP8_CAST

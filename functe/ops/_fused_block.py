@@ -31,7 +31,8 @@ import functools
 import torch
 
 from .._block_quantize import cast_act_block_keep, cast_norm_block, operand_dtype
-from .._vjp import custom_vjp, quantized_first_order
+from .._vjp import custom_vjp
+from .._vjp_guard import quantized_first_order
 from ..kernels._common import rows_view
 from . import _block_linear as block
 from ._fused import q_in_activation_backward, q_in_norm_backward

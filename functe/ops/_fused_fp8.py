@@ -36,7 +36,8 @@ from .._errors import RecipeError
 from .._fp8_gemm import native_ok
 from .._quantize import cast_act_output, cast_dact_output_dbias, cast_norm
 from .._recipe import DelayedScaling, MXFP8BlockScaling
-from .._vjp import custom_vjp, quantized_first_order
+from .._vjp import custom_vjp
+from .._vjp_guard import quantized_first_order
 from ..kernels._common import rows_view
 from . import _activation as act
 from . import _fp8_linear as fp8
