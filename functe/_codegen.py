@@ -371,9 +371,9 @@ class Outside(dict):
     ``carried``: ``{position: variable}`` for the positions where the fused op returns, in place of
     the program's output, the variable it reshapes (see :func:`_outside_outputs`)."""
 
-    def __init__(self, built=(), carried=None):
-        super().__init__(built)
-        self.carried: dict[int, Var] = dict(carried or {})
+    def __init__(self):
+        super().__init__()
+        self.carried: dict[int, Var] = {}
 
 
 def _outside_outputs(program: OpList) -> Outside:

@@ -26,6 +26,7 @@ import enum
 import torch
 
 from ._errors import RecipeError, as_float, as_int, shown_number
+from ._state import HISTORY_LEN_LIMIT
 
 FORWARD_ROLES = ("input", "weight")
 BACKWARD_ROLES = ("grad_output",)
@@ -166,9 +167,8 @@ class DelayedScaling(_Recipe):
             )
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
             raise RecipeError(f"functe.DelayedScaling: amax_history_len must be an int, got {self.amax_history_len!r}")
-        # (the bound init_scaling_state keeps: a longer history's bytes overflow a tensor's size, and
-        # the recipe was accepted only for every state made from it to fail)
-        if not 1 <= self.amax_history_len < 2**61:
+        # (init_scaling_state's bound: a recipe beyond it was accepted only for every state made from it to fail)
+        if not 1 <= self.amax_history_len < HISTORY_LEN_LIMIT:
             raise RecipeError(
                 f"functe.DelayedScaling: amax_history_len must be an int from 1 to 2**61 - 1, "
                 f"got {self.amax_history_len}"

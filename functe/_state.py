@@ -40,6 +40,11 @@ class ScalingState:
     amax_history: torch.Tensor
 
 
+HISTORY_LEN_LIMIT = 2**61
+"""Amax histories are shorter than this: 2**61 f32 values are 2**63 bytes, more than a tensor's size
+in bytes holds (torch's overflow error named nothing). Checked by init_scaling_state and DelayedScaling."""
+
+
 def init_scaling_state(history_len: int = 1024, *, device: torch.device | str | None = None) -> ScalingState:
     """A fresh :class:`ScalingState`: scale 1, empty (zero) amax history of ``history_len``.
 
@@ -48,8 +53,7 @@ def init_scaling_state(history_len: int = 1024, *, device: torch.device | str | 
         torch.Size([8])
     """
     length = as_int(history_len)
-    # (2**61 f32 values are 2**63 bytes, more than a tensor's size in bytes holds: torch's overflow error named nothing)
-    if length is None or not 1 <= length < 2**61:
+    if length is None or not 1 <= length < HISTORY_LEN_LIMIT:
         raise StateError(
             f"functe.init_scaling_state: argument 'history_len' expected an int from 1 to 2**61 - 1, "
             f"got {shown_number(history_len)}"
