@@ -208,8 +208,8 @@ def unaliased_outputs(outputs: list, inputs) -> tuple[list, dict[int, torch.Tens
     other behind autograd's back). A residual saved from the same buffer still catches a write
     through the shared version counter ("modified by an inplace operation"), as torch's ops do.
     """
-    if torch.compiler.is_compiling():  # (Dynamo cannot trace _is_view; compiled graphs own their outputs)
-        return outputs, _NOTHING_SWAPPED
+    if torch.compiler.is_compiling():
+        return _unaliased_compiled(outputs, inputs), _NOTHING_SWAPPED
     swapped = None
     for o in outputs:
         if type(o) in PLAIN_TENSOR_TYPES and o._is_view():
@@ -229,6 +229,22 @@ def unaliased_outputs(outputs: list, inputs) -> tuple[list, dict[int, torch.Tens
 
 
 _NOTHING_SWAPPED: dict = {}
+
+
+def _unaliased_compiled(outputs: list, inputs) -> list:
+    """:func:`unaliased_outputs` as Dynamo traces it: ``_base`` (Dynamo does not trace ``_is_view``).
+    Needed as eagerly: a compiled graph returns a view the Function made as a view of the graph's
+    intermediate, which refuses an in-place write ("Output 0 of CompiledFunction is a view"): a 1-D
+    or biased ``linear``'s output (torch's GEMM result reshaped). No replacements are reported: the
+    compiled Function's residuals are not swapped (a detached view shares the version counter)."""
+    bases = [o._base if isinstance(o, torch.Tensor) else None for o in outputs]
+    if all(base is None for base in bases):
+        return outputs
+    result = list(outputs)
+    for k, base in enumerate(bases):
+        if base is not None and _owned(base, inputs, outputs) and sum(b is base for b in bases) == 1:
+            result[k] = outputs[k].detach()
+    return result
 
 
 def _owned(base: torch.Tensor, inputs, outputs) -> bool:

@@ -283,8 +283,7 @@ class _Liveness:
         for e in joint.eqns:
             if any(isinstance(a, Var) and a in needs for a in e.inputs):
                 needs.update(v for v in e.outputs if _is_float_var(v))
-        has = {a for k, a in enumerate(program.outputs) if _is_float_var(a) and a in needs and k not in outside}
-        has.update(v for v in outside.carried.values() if v in needs)
+        has = {v for k, a in enumerate(program.outputs) if _is_float_var(v := outside.returned(k, a)) and v in needs}
 
         def wanted_step(e: Eqn) -> bool:
             return any(isinstance(a, Var) and a in needs for a in e.inputs)
@@ -369,11 +368,23 @@ class Outside(dict):
     """Output positions the fused op leaves out and its caller builds from its other outputs:
     ``{position: (source position, shapes)}``, the source reshaped by each of ``shapes`` in turn;
     ``carried``: ``{position: variable}`` for the positions where the fused op returns, in place of
-    the program's output, the variable it reshapes (see :func:`_outside_outputs`)."""
+    the program's output, the variable it reshapes (see :func:`_outside_outputs`); ``shadowed``: the
+    positions where the fused op returns the program's output all the same (an op read it inside)
+    and its caller discards it."""
 
     def __init__(self):
         super().__init__()
         self.carried: dict[int, Var] = {}
+        self.shadowed: set[int] = set()
+
+    def returned(self, k: int, a) -> Var | None:
+        """The variable the fused op returns in output position ``k`` (the program's output there is
+        ``a``): ``None`` where it returns nothing (a constant, an output built outside)."""
+        if k in self.carried:
+            return self.carried[k]
+        if isinstance(a, Var) and (k not in self or k in self.shadowed):
+            return a
+        return None
 
 
 def _outside_outputs(program: OpList) -> Outside:
@@ -389,9 +400,13 @@ def _outside_outputs(program: OpList) -> Outside:
     same: the fused op returns the intermediate in the first such output's position (carried) and
     the caller reshapes it, as the unfused function's torch view op does (returned from inside,
     compiled code refused an in-place write on it: "Output 0 of CompiledFunction is a view and is
-    being modified inplace"). Left inside: a reshape an op reads (it may be a residual) and a
-    reshape of an input. (An input returned stays an output of the Function too, a view of the
-    input: its gradient then adds the output's cotangent in the order the unfused graph does.)
+    being modified inplace"). A reshape an op reads is made inside too (it may be a residual, which
+    double backward differentiates through only as an output of the Function): where its source is
+    another output, or carried, the fused op still returns it (shadowed), but the caller builds that
+    position from the source, and a write on either output reaches the other as unfused (two views
+    of one buffer returned by a Function refused writes). Left inside: a reshape of an input. (An
+    input returned stays an output of the Function too, a view of the input: its gradient then adds
+    the output's cotangent in the order the unfused graph does.)
     """
     from .ops._core import _reshape  # (functe.ops imports this module's callers; imported late)
 
@@ -435,6 +450,12 @@ def _outside_outputs(program: OpList) -> Outside:
                 first[source] = k
                 outside.carried[k] = source
             outside[k] = (first[source], shapes)
+    for k, a in enumerate(program.outputs):
+        if isinstance(a, Var) and first[a] == k and k not in outside:
+            chain = _reshape_chain(a, producer, _reshape)
+            if chain is not None and chain[0] in first and chain[0] not in inputs:
+                outside[k] = (first[chain[0]], chain[1])
+                outside.shadowed.add(k)
     return outside
 
 
@@ -506,14 +527,8 @@ def _generate(
         # back by the caller (with_constants, below): as outputs of the Function, autograd would give
         # the caller's own tensor a grad_fn. So are the outputs built outside (see
         # _outside_outputs). Variables go through _distinct (see there).
-        items = [
-            em.var(outside.carried[k])
-            if k in outside.carried
-            else em.atom(a)
-            if isinstance(a, Var) and k not in outside
-            else "None"
-            for k, a in enumerate(program.outputs)
-        ]
+        returned = [outside.returned(k, a) for k, a in enumerate(program.outputs)]
+        items = ["None" if v is None else em.var(v) for v in returned]
         if any(isinstance(a, Var) for a in program.outputs):
             em.emit(f"_out = _distinct(({''.join(i + ', ' for i in items)}), ({inputs}{',' if inputs else ''}))")
             items = [f"_out[{k}]" for k in range(len(items))]
@@ -560,7 +575,29 @@ def _generate(
             em.emit(f"_o{k} = {base}{''.join(f'.reshape({em.literal(shape)})' for shape in shapes)}")
             items[k] = f"_o{k}"
         em.emit(f"return {em.pack(items, program.out_tree)}")
+    _generate_compiled_outputs(em, program)
     return "\n".join(em.lines) + "\n", em.globals
+
+
+def _generate_compiled_outputs(em: _Emitter, program: OpList) -> None:
+    """``compiled_outputs(out, inputs, constant)``: the fused op's outputs under torch.compile with an
+    input the function returns as that input itself, and the outputs at ``constant`` (positions no
+    input that requires grad reaches) detached. Eagerly the node marks those non-differentiable and
+    returns a returned input as a view torch's autograd allows writing; in a compiled graph every
+    output of the Function required grad (``autograd.grad`` gave zeros where unfused gives None) and
+    a returned input was a view a write refused ("returns multiple views")."""
+    em.lines.append("def compiled_outputs(out, inputs, constant):")
+    if program.out_tree != LEAF:
+        em.emit(f"out = {em.leaves(program.out_tree, 'out')}")
+    items = []
+    for k, a in enumerate(program.outputs):
+        item = "out" if program.out_tree == LEAF else f"out[{k}]"
+        if isinstance(a, Var) and a in program.inputs:
+            item = f"inputs[{program.inputs.index(a)}]"
+        elif isinstance(a, Var):
+            item = f"({item}.detach() if {k} in constant else {item})"
+        items.append(item)
+    em.emit(f"return {em.pack(items, program.out_tree)}")
 
 
 def _generate_backward(
@@ -597,10 +634,12 @@ def _generate_backward(
     if program.out_tree != LEAF:
         em.emit(f"cts = {em.leaves(program.out_tree, 'cts')}")
     for j, a in enumerate(program.outputs):
-        # (outside: no cotangent, but for an intermediate the op carries there; see _outside_outputs)
-        a = outside.carried.get(j, a)
-        if isinstance(a, Var) and a in live.needs and (j not in outside or j in outside.carried):
-            accumulate(a, "cts" if program.out_tree == LEAF else f"cts[{j}]")
+        # (each variable the op returns: outside positions get no cotangent, but for an intermediate
+        # the op carries there, and a shadowed one's, which only a second order gives; see
+        # _outside_outputs)
+        v = outside.returned(j, a)
+        if v is not None and v in live.needs:
+            accumulate(v, "cts" if program.out_tree == LEAF else f"cts[{j}]")
     for e in live.live:
         # A step none of whose output cotangents is known to exist runs only if one does (at run
         # time: a structural None check, no data): autograd skips such a node, and an FP8 op's

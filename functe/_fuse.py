@@ -57,6 +57,7 @@ from ._fuse_compile import (
     _call_outside_graph,
     _compiled_plan,
     _compiled_plan_index,
+    _constant_outputs,
     _find_mode_modules,
     _refresh_outside_graph,
 )
@@ -245,7 +246,9 @@ class Fused:
             if plan.differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
                 if plan.checks_captured:
                     plan.check_captured(plan.variant(None))
-                return plan.run_op(*tensors)  # Dynamo traces the custom_vjp op
+                # (Dynamo traces the custom_vjp op; its outputs are then made what unfused returns)
+                constant = _constant_outputs(self, index, tuple(t.requires_grad for t in tensors))
+                return plan.compiled_outputs(plan.run_op(*tensors), tensors, constant)
             if plan.checks_captured and torch.is_grad_enabled():
                 plan.check_captured(None)
             return plan.infer(*tensors)

@@ -72,6 +72,13 @@ def _compiled_plan_index(fused: Fused, key: Any, backend: str, training: tuple) 
     return index, tuple(position[id(t)] for t in tensors)
 
 
+@torch._dynamo.assume_constant_result
+def _constant_outputs(fused: Fused, index: int, requires_grad: tuple[bool, ...]) -> tuple[int, ...]:
+    """Run by Dynamo at trace time (not traced): :meth:`Plan.constant_outputs` (Dynamo guards the
+    inputs' requires_grad, so a change recompiles)."""
+    return _compiled_plan(fused, index).constant_outputs(requires_grad)
+
+
 @torch.compiler.disable
 def _call_outside_graph(fused: Fused, args: tuple, kwargs: dict) -> Any:
     """``fused(*args, **kwargs)`` run eagerly: for a compiled call whose trace raised (see

@@ -92,6 +92,7 @@ class Plan:
         self.differentiable = any(isinstance(a, Var) for a in program.outputs)
         self.outside = _outside_outputs(program)  # (outputs aliasing other outputs, see there)
         self._variants: dict[tuple[bool, ...] | None, _Variant] = {}
+        self._constant_outputs: dict[tuple[bool, ...], tuple[int, ...]] = {}
         # What the trace took as constants but may start requiring grad later (see check_captured).
         self._captured = [
             a.value
@@ -119,6 +120,7 @@ class Plan:
         full = self.variant(None)
         self.liveness, self.source, self.infer, self.op = full.liveness, full.source, full.infer, full.op
         self.eager, self.with_constants, self.run_op = full.eager, full.with_constants, full.run_op
+        self.compiled_outputs = full.compiled_outputs
 
     def check_captured(self, variant: _Variant | None) -> None:
         """Before the program runs with grad mode on: raise if a tensor it captured as a constant
@@ -218,6 +220,19 @@ class Plan:
                 return True
         return False
 
+    def constant_outputs(self, requires_grad: tuple[bool, ...]) -> tuple[int, ...]:
+        """The positions of the output leaves that no input flagged in ``requires_grad`` reaches (see
+        ``compiled_outputs``, which detaches them)."""
+        found = self._constant_outputs.get(requires_grad)
+        if found is None:
+            reached = {v for v, r in zip(self.program.inputs, requires_grad) if r}
+            for e in self.program.eqns:
+                if any(isinstance(a, Var) and a in reached for a in e.inputs):
+                    reached.update(v for v in e.outputs if v is not None)
+            found = tuple(k for k, a in enumerate(self.program.outputs) if isinstance(a, Var) and a not in reached)
+            self._constant_outputs[requires_grad] = found
+        return found
+
     def variant(self, needs_grad: tuple[bool, ...] | None) -> _Variant:
         """The generated functions when only the inputs flagged in ``needs_grad`` (one flag per
         tensor input; ``None``: all) want gradients: the forward keeps only the residuals their
@@ -282,6 +297,7 @@ class _Variant:
         # autocast's casts as equations, and an opaque op must compute the dtype it recorded)
         self.infer: Callable = without_autocast(namespace["infer"])
         self.with_constants: Callable = namespace["with_constants"]
+        self.compiled_outputs: Callable = namespace["compiled_outputs"]
         backward = namespace["backward"]
         # The generated dispatcher ``bwd`` calls this op under create_graph / torch.func (see _generate).
         namespace["_backward_op"] = custom_vjp(

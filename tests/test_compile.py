@@ -584,3 +584,62 @@ def test_nvfp4_linear_compiles_with_a_dynamic_batch_of_one_hadamard_block():
         torch._dynamo.mark_dynamic(x, 0)
         got = torch.autograd.grad(compiled(x, w, torch.tensor(3)), w)[0]
         assert torch.equal(got, torch.autograd.grad(loss(x, w, torch.tensor(3)), w)[0])
+
+
+@pytest.mark.parametrize("x_shape", [(6,), (2, 3, 6)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_compiled_linear_output_takes_an_in_place_write_as_eagerly(x_shape, fused):
+    # A biased or 1-D linear's output is torch's GEMM result reshaped: a view made inside the
+    # Function, which eagerly is un-viewed at its boundary; compiled it was not, and the caller's
+    # write raised "Output 0 of CompiledFunction is a view and is being modified inplace".
+    def fn(x, w, b):
+        return ops.linear(x, w, b) + x if fused else ops.linear(x, w, b)
+
+    args = [make(s, torch.float64).requires_grad_() for s in (x_shape, (6, 6), (6,))]
+    compiled = torch.compile(functe.fuse(fn) if fused else fn, backend="aot_eager", fullgraph=True)
+    got, want = compiled(*args), fn(*args)
+    got.mul_(3.0)
+    want.mul_(3.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    cts = make(want.shape, torch.float64)
+    for g, w in zip(torch.autograd.grad(got, args, cts), torch.autograd.grad(want, args, cts)):
+        torch.testing.assert_close(g, w)
+
+
+def test_compiled_fused_outputs_no_trainable_input_reaches_do_not_require_grad():
+    # Compiled, every output of the fused Function required grad once any input did: autograd.grad
+    # of such an output gave zeros where unfused it raises, and allow_unused gave zeros for None.
+    def fn(x, b):
+        return ops.silu(b).reshape(2, -1), ops.gelu(b), ops.gelu(x)
+
+    x, b = make((4, 6), torch.float64).requires_grad_(), make((6,), torch.float64)
+    compiled = torch.compile(functe.fuse(fn), backend="aot_eager", fullgraph=True)
+    got, want = compiled(x, b), fn(x, b)
+    assert [t.requires_grad for t in got] == [t.requires_grad for t in want] == [False, False, True]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.autograd.grad(got[0].sum(), x)
+    # the same graph with b trainable is another compile (Dynamo guards requires_grad)
+    b.requires_grad_()
+    got = compiled(x, b)
+    assert all(t.requires_grad for t in got)
+    (db,) = torch.autograd.grad(got[0].sum() + got[1].sum(), b)
+    torch.testing.assert_close(db, torch.autograd.grad(fn(x, b)[0].sum() + fn(x, b)[1].sum(), b)[0])
+
+
+def test_a_compiled_fused_function_returns_a_returned_input_itself():
+    # Through the fused Function a returned input was a view that compiled code refused to write
+    # ("a function that returns multiple views"); unfused, compiled or not, it is the input itself.
+    def fn(x, y):
+        return y, ops.gelu(x)
+
+    x, y = make((4, 6), torch.float64).requires_grad_(), make((4, 6), torch.float64)
+    y0 = y.clone()
+    compiled = torch.compile(functe.fuse(fn), backend="aot_eager", fullgraph=True)
+    out = compiled(x, y)
+    assert out[0] is y
+    out[0].mul_(3.0)
+    torch.testing.assert_close(y, 3.0 * y0, rtol=0, atol=0)
+    (dx,) = torch.autograd.grad(out[1].sum(), x)
+    torch.testing.assert_close(dx, torch.autograd.grad(fn(x, y)[1].sum(), x)[0], rtol=0, atol=0)

@@ -1015,8 +1015,14 @@ def test_outputs_aliasing_each_other_are_the_unfused_objects_and_views():
     plan = fused.plan(make((4, 3)), make((5, 3)))
     positions = {k: i for i, k in enumerate(sorted(_aliasing_outputs(make((4, 3)), make((5, 3)))))}
     # (optree flattens a dict in key order: "again" is the first of y's two positions, "y" the
-    # repeat; an input, its reshape and a reshape an op reads stay outputs of the fused op)
-    assert plan.outside == {positions["flat"]: (positions["again"], ((-1,),)), positions["y"]: (positions["again"], ())}
+    # repeat; an input and its reshape stay outputs of the fused op, and a reshape an op reads is
+    # returned by it too but built outside from the output it views: shadowed)
+    assert plan.outside == {
+        positions["flat"]: (positions["again"], ((-1,),)),
+        positions["read"]: (positions["again"], ((2, -1),)),
+        positions["y"]: (positions["again"], ()),
+    }
+    assert plan.outside.shadowed == {positions["read"]}
     x0, w0 = make((4, 3), F64), make((5, 3), F64)
     for mode in ("no_grad", "grad", "inplace"):
         results = []
@@ -1137,6 +1143,67 @@ def test_a_reshape_chain_through_an_unreturned_reshape_is_built_outside():
             out[k].mul_(3.0)
             grads.append(torch.autograd.grad(sum((i + 1) * o.pow(2).sum() for i, o in enumerate(out)), x)[0])
         assert_close(grads[1], grads[0])
+
+
+def _reshape_read_by_an_op(source, reader):
+    def f(x):
+        h = ops.gelu(x)
+        a = h.reshape(-1)  # (read by an op: made inside)
+        return (h.reshape(-1, 2) if source == "carried" else h), a, reader(a)
+
+    return f
+
+
+def _weighted_loss(out):
+    return sum((i + 1) * o.pow(2).sum() for i, o in enumerate(out))
+
+
+@pytest.mark.parametrize("source", ["carried", "returned"])
+def test_a_reshape_an_op_reads_is_built_outside_from_the_output_it_views(source):
+    # (from a fuzz: a reshape an op reads stayed an output of the fused op next to the output it
+    # views, so the op returned two views of one buffer, and a write on either raised "Output 1 of
+    # ... is a view and is being modified inplace")
+    f = _reshape_read_by_an_op(source, lambda a: 2.0 * a)
+    plan = functe.fuse(f).plan(make((4, 6)))
+    a = plan.program.eqns[1].outputs[0]
+    assert plan.outside[1] == (0, ((-1,),)) and plan.outside.shadowed == {1}
+    assert plan.outside.returned(1, a) is a  # (still returned by the op, see the second order below)
+    x0 = make((4, 6), F64)
+    for k in (0, 1, 2):
+        grads = []
+        for fn in (f, functe.fuse(f), torch.compile(functe.fuse(f), backend="aot_eager")):
+            x = x0.clone().requires_grad_()
+            out = fn(x)
+            assert out[1]._base is (out[0] if source == "returned" else out[0]._base)
+            out[k].mul_(1.5)
+            grads.append(torch.autograd.grad(_weighted_loss(out), x)[0])
+        for got in grads[1:]:
+            assert_close(got, grads[0])
+
+
+def test_a_shadowed_output_keeps_the_second_order_through_the_reshape_an_op_saved():
+    # The op still returns `a`, which gelu(a) saves: the second order differentiates through it as
+    # an output of the fused op; its cotangent (from the second order only) reaches the backward
+    # plan. Dropped, the second derivative was silently wrong. A write on `h` or `a` reaches the
+    # saved `a`: unfused and fused refuse the backward alike.
+    f = _reshape_read_by_an_op("returned", ops.gelu)
+    x0 = make((4, 6), F64)
+
+    def loss(fn):
+        return lambda x: fn(x)[2].sum() + fn(x)[1].pow(2).sum()
+
+    want = torch.func.grad(lambda x: torch.func.grad(loss(f))(x).sum())(x0)
+    assert_close(torch.func.grad(lambda x: torch.func.grad(loss(functe.fuse(f)))(x).sum())(x0), want)
+    x = x0.clone().requires_grad_()
+    (g,) = torch.autograd.grad(loss(functe.fuse(f))(x), x, create_graph=True)
+    assert_close(torch.autograd.grad(g.sum(), x)[0], want)
+    for k in (0, 1):
+        for fn in (f, functe.fuse(f)):
+            x = x0.clone().requires_grad_()
+            out = fn(x)
+            out[k].mul_(1.5)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(_weighted_loss(out), x)
 
 
 def test_only_residuals_of_live_backward_steps_are_kept():
