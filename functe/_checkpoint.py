@@ -148,8 +148,7 @@ def save_tree(path: str | os.PathLike, tree: Any) -> None:
         ...     sorted(torch.load(os.path.join(d, "params.pt"), weights_only=True))
         ['w']
     """
-    _check_file_path("save_tree", path)
-    _check_parent_exists("save_tree", path)
+    _check_file_path("save_tree", path, writing=True)
     flat = {k: v.detach().contiguous() for k, v in tree_to_dict(tree).items()}
     if str(path).endswith(".safetensors"):
         from safetensors.torch import save_file
@@ -160,23 +159,21 @@ def save_tree(path: str | os.PathLike, tree: Any) -> None:
         torch.save({k: v.clone() if _shares_a_larger_storage(v) else v for k, v in flat.items()}, path)
 
 
-def _check_file_path(op: str, path: Any) -> None:
+def _check_file_path(op: str, path: Any, *, writing: bool = False) -> None:
     """Refuse a directory (torch's error was "[enforce fail at inline_container.cc]", safetensors'
-    "No such device"); a file object, which torch.save and torch.load take too, passes."""
-    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+    "No such device"), and when ``writing`` a path whose directory is missing (safetensors' error
+    named a temporary file, ".tmpXYZ", in it; torch's named no function). A file object, which
+    torch.save and torch.load take too, passes."""
+    if not isinstance(path, (str, os.PathLike)):
+        return
+    if os.path.isdir(path):
         raise ArgumentError(f"functe.{op}: argument 'path' expected a file path, got the directory {os.fspath(path)!r}")
-
-
-def _check_parent_exists(op: str, path: Any) -> None:
-    """Refuse a path whose directory is missing (safetensors' error named a temporary file, ".tmpXYZ",
-    in it; torch's named no function)."""
-    if isinstance(path, (str, os.PathLike)):
-        parent = os.path.dirname(os.path.abspath(os.fspath(path)))
-        if not os.path.isdir(parent):
-            raise ArgumentError(
-                f"functe.{op}: argument 'path' expected a file in an existing directory, got "
-                f"{os.fspath(path)!r} ({parent!r} does not exist)"
-            )
+    parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if writing and not os.path.isdir(parent):
+        raise ArgumentError(
+            f"functe.{op}: argument 'path' expected a file in an existing directory, got "
+            f"{os.fspath(path)!r} ({parent!r} does not exist)"
+        )
 
 
 def _shares_a_larger_storage(t: torch.Tensor) -> bool:

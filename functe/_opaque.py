@@ -80,6 +80,10 @@ def _op_table(fn: Callable, name: str | None) -> tuple[dict, Any]:
         owner, key = fn.__self__, (fn.__func__, name)
     attributes = getattr(owner, "__dict__", None)
     if not isinstance(owner, (types.FunctionType, torch.nn.Module)) or type(attributes) is not dict:
+        try:
+            hash(fn)
+        except TypeError:  # (an unhashable callable object, a dataclass's say: keyed by identity, which
+            return _OPAQUE, (id(fn), name)  # stays unique, as the op it keeps holds the object)
         return _OPAQUE, (fn, name)
     table = attributes.get(_OPAQUE_ATTR)
     if not isinstance(table, _OpTable) or table.owner is not owner:  # (functools.wraps, copy.copy)

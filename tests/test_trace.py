@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import gc
 import re
@@ -343,6 +344,20 @@ def test_opaque_ops_of_modules_and_bound_methods_are_freed_with_them():
 
     scale = Scale()
     assert torch.equal(functe.opaque(scale)(torch.ones(2)), torch.full((2,), 2.0)) and vars(scale) == {}
+
+    @dataclasses.dataclass
+    class Times:  # (unhashable, as a dataclass with eq: keyed by identity, where hash() raised a TypeError)
+        factor: float
+
+        def __call__(self, x):
+            return x * self.factor
+
+    times, equal = Times(3.0), Times(3.0)
+    op = functe.opaque(times)
+    assert functe.opaque(times) is op and functe.opaque(equal) is not op
+    assert torch.equal(op(torch.ones(2)), torch.full((2,), 3.0))
+    x = torch.ones(3, requires_grad=True)
+    assert torch.equal(torch.autograd.grad(op(x).sum(), x)[0], torch.full((3,), 3.0))
 
 
 def test_opaque_gradients_match_torch_under_every_transform():
