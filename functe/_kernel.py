@@ -170,8 +170,9 @@ class Kernel:
         self.direct = _with_float_scalars(launcher)
         self.launch = _launching(self, self.direct)
         # The twin is plain torch, so on fake tensors it computes exactly the
-        # output shapes and dtypes: it serves as the op's fake implementation.
-        self.op.register_fake(raw_twin)
+        # output shapes and dtypes: it serves as the op's fake implementation, on contiguous
+        # arguments, as the launchers lay out their outputs (see _OnContiguous).
+        self.op.register_fake(_OnContiguous(raw_twin))
         self.function = _make_function(self, self.launch)
         self.twin_function = _make_function(self, twin)
 
@@ -212,6 +213,23 @@ class Kernel:
 
     def __repr__(self):
         return f"Kernel({self.name})"
+
+
+class _OnContiguous:
+    """A twin run on contiguous copies of its tensor arguments: its outputs laid out as the
+    launchers lay out theirs, which take their inputs contiguous. The custom op's fake (on a
+    transposed input a formula keeps the input's strides, where the launcher does not, and
+    Inductor's ``assert_size_stride`` failed the compiled call at run time; copies of fake tensors
+    cost nothing)."""
+
+    def __init__(self, twin: Callable):
+        self.__wrapped__ = twin  # (inspect.signature reads the twin's)
+
+    def __call__(self, *args):
+        return self.__wrapped__(*(a.contiguous() if isinstance(a, Tensor) else a for a in args))
+
+    def __reduce__(self):
+        return (_OnContiguous, (self.__wrapped__,))
 
 
 class _NamingLegacyVmapErrors:

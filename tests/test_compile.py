@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import grad
 
 import functe
@@ -643,3 +644,39 @@ def test_a_compiled_fused_function_returns_a_returned_input_itself():
     torch.testing.assert_close(y, 3.0 * y0, rtol=0, atol=0)
     (dx,) = torch.autograd.grad(out[1].sum(), x)
     torch.testing.assert_close(dx, torch.autograd.grad(fn(x, y)[1].sum(), x)[0], rtol=0, atol=0)
+
+
+_TRANSPOSED_CASES = {
+    "qgelu": lambda x, w, b: ops.qgelu(x),
+    "swiglu": lambda x, w, b: ops.swiglu(x),
+    "scaled_srelu": lambda x, w, b: ops.scaled_srelu(x, w[:4].abs()),
+    "layer_norm": lambda x, w, b: ops.layer_norm(x, w, b),
+    "rms_norm": lambda x, w, b: ops.rms_norm(x, w),
+    "l2_normalize": lambda x, w, b: ops.l2_normalize(x),
+    "dropout": lambda x, w, b: ops.dropout(x, 0.5, seed=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_TRANSPOSED_CASES))
+def test_an_op_on_a_transposed_input_lays_out_its_output_alike_compiled_and_as_its_fake(case, backend, device):
+    # The twins' formulas keep a transposed input's strides, where the CPU fast paths and the Triton
+    # launchers write contiguous outputs: compiled on the CPU `.view(-1)` of the output failed where
+    # it works eagerly, and as a custom op's fake the twin disagreed with the launcher, which failed
+    # Inductor's assert_size_stride at run time (a GPU's route; here through the interpreter).
+    f = _TRANSPOSED_CASES[case]
+    x, w, b = (make(s, torch.float64, device=device) for s in ((8, 4), (8,), (8,)))
+    x = x.t()
+    eager = f(x, w, b)
+    assert eager.is_contiguous()
+    compiled = torch.compile(lambda x: f(x, w, b).view(-1), backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager.view(-1))  # (eagerly the CPU fast paths: other roundings)
+    x.requires_grad_()
+    ct = make(eager.shape, torch.float64, device=device)
+    (dx_eager,) = torch.autograd.grad(f(x, w, b), x, ct)
+    (dx_compiled,) = torch.autograd.grad(torch.compile(f, backend="aot_eager")(x, w, b), x, ct)
+    torch.testing.assert_close(dx_compiled, dx_eager)  # (its layout may differ, as torch's own ops' does)
+    if backend == "interpret" or device == "cuda":  # (the custom op's route: its fake stands for the launcher)
+        mode = FakeTensorMode()
+        with mode:
+            fake = f(*(mode.from_tensor(t) for t in (x, w, b)))
+        assert fake.stride() == eager.stride()

@@ -401,6 +401,9 @@ def activation_ref(x: Tensor, name: str, interleave: int, limit: float, alpha: f
         return native(x)
     if eager_cpu(x):
         return _fast_forward(x, None, name, interleave, limit, alpha, offset)
+    # (contiguous, as the fast path and the launcher write: the output's layout must not depend on
+    # the route, compiled or not; see _kernel._OnContiguous)
+    x = x.contiguous()
     return _value(x.to(compute_dtype(x.dtype)), name, interleave, limit, alpha, offset).to(x.dtype)
 
 
@@ -411,6 +414,7 @@ def activation_scaled_ref(
     if eager_cpu(x, s):
         return _fast_forward(x, s, name, interleave, limit, alpha, offset)
     acc = compute_dtype(x.dtype)
+    x = x.contiguous()  # (see activation_ref)
     y = _value(x.to(acc), name, interleave, limit, alpha, offset) * s.to(acc)[..., None]
     return y.to(x.dtype)
 
@@ -430,6 +434,7 @@ def dactivation_ref(
             return _fast_relu_backward(dy, x, name)
         return _fast_backward(dy, x, None, name, interleave, limit, alpha, offset)[0]
     acc = compute_dtype(x.dtype)
+    x = x.contiguous()  # (see activation_ref)
     return _vjp(dy.to(acc), x.to(acc), name, interleave, limit, alpha, offset).to(x.dtype)
 
 
@@ -440,7 +445,7 @@ def dactivation_scaled_ref(
     if eager_cpu(dy, x, s):
         return _fast_backward(dy, x, s, name, interleave, limit, alpha, offset)
     acc = compute_dtype(x.dtype)
-    dy, xa = dy.to(acc), x.to(acc)
+    dy, xa = dy.to(acc), x.contiguous().to(acc)  # (see activation_ref)
     dx = _vjp(dy * s.to(acc)[..., None], xa, name, interleave, limit, alpha, offset)
     ds = (dy * _value(xa, name, interleave, limit, alpha, offset)).sum(-1)
     return dx.to(x.dtype), ds.to(s.dtype)

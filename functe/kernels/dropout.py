@@ -267,7 +267,7 @@ def dropout_ref(x: Tensor, seed: Tensor, p: float) -> Tensor:
         return _dropout_fast(x, seed, p)
     acc = compute_dtype(x.dtype)
     factor = torch.where(_keep(seed, x.shape, p), scale(p), 0.0).to(acc)
-    return (x.to(acc) * factor).to(x.dtype)
+    return (x.contiguous().to(acc) * factor).to(x.dtype)  # (contiguous, as the fast path: see activation_ref)
 
 
 # Both arguments are row data: under vmap the batch dimension becomes one more

@@ -712,7 +712,9 @@ def layer_norm_ref(
             threshold = _CANCELLING_FP32 if x.dtype == torch.float32 else _CANCELLING
             _recompute_cancelled_rows(y, x, mean, rstd, weight, bias, eps, threshold)
         return y, mean, rstd
-    xhat, rstd, mean = _normalize(x.to(acc), eps, "layer")
+    # (contiguous, as the fast path and the launcher write: the output's layout must not depend on
+    # the route, compiled or not; see _kernel._OnContiguous)
+    xhat, rstd, mean = _normalize(x.contiguous().to(acc), eps, "layer")
     y = xhat * _gamma(weight, zero_centered_gamma, acc)
     y = (y if bias is None else y + bias.to(acc)).to(x.dtype)  # (no bias: the norm kernels' HAS_B=False)
     return y, mean.squeeze(-1), rstd.squeeze(-1)
@@ -783,7 +785,7 @@ def _layer_norm_grads(
     ``members``: dγ and dβ per member of x's dimension 0 (see :func:`layer_norm_bwd_members`)."""
     acc = compute_dtype(x.dtype)
     dy_a, r = dy.to(acc), rstd.to(acc)[..., None]
-    xhat = (x.to(acc) - mean.to(acc)[..., None]) * r
+    xhat = (x.contiguous().to(acc) - mean.to(acc)[..., None]) * r  # (see layer_norm_ref)
     dx = _dx(dy_a * _member_gamma(weight, x, zero_centered, acc), xhat, r, "layer")
     sums = _member_sums if members else _column_sums
     return dx, sums(dy_a * xhat), sums(dy_a)
@@ -848,7 +850,7 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: boo
     gamma = _gamma(weight, zero_centered_gamma, acc)
     if eager_cpu(x, weight):
         return _rms_fwd_fast(x, gamma, eps, "rms")
-    xhat, _, _ = _normalize(x.to(acc), eps, "rms")
+    xhat, _, _ = _normalize(x.contiguous().to(acc), eps, "rms")  # (see layer_norm_ref)
     return (xhat * gamma).to(x.dtype)
 
 
@@ -888,7 +890,7 @@ def _rms_grads(dy: Tensor, x: Tensor, weight: Tensor, eps: float, zero_centered:
     per member of x's dimension 0 (see :func:`layer_norm_bwd_members`)."""
     acc = compute_dtype(x.dtype)
     dy_a = dy.to(acc)
-    dx, xhat = _grads(dy_a, x.to(acc), _member_gamma(weight, x, zero_centered, acc), eps, "rms")
+    dx, xhat = _grads(dy_a, x.contiguous().to(acc), _member_gamma(weight, x, zero_centered, acc), eps, "rms")
     return dx, (_member_sums if members else _column_sums)(dy_a * xhat).to(weight.dtype)
 
 
@@ -912,7 +914,7 @@ def l2_normalize_ref(x: Tensor, eps: float) -> Tensor:
     """PyTorch twin of :func:`l2_normalize`."""
     if eager_cpu(x):
         return _rms_fwd_fast(x, None, eps, "l2")
-    return _normalize(x.to(compute_dtype(x.dtype)), eps, "l2")[0].to(x.dtype)
+    return _normalize(x.contiguous().to(compute_dtype(x.dtype)), eps, "l2")[0].to(x.dtype)  # (see layer_norm_ref)
 
 
 def l2_normalize_bwd_ref(dy: Tensor, x: Tensor, eps: float) -> Tensor:
@@ -920,7 +922,7 @@ def l2_normalize_bwd_ref(dy: Tensor, x: Tensor, eps: float) -> Tensor:
     if eager_cpu(dy, x):
         return _rms_bwd_fast(dy, x, None, eps, "l2")[0]
     acc = compute_dtype(x.dtype)
-    return _grads(dy.to(acc), x.to(acc), None, eps, "l2")[0].to(x.dtype)
+    return _grads(dy.to(acc), x.contiguous().to(acc), None, eps, "l2")[0].to(x.dtype)  # (see layer_norm_ref)
 
 
 # ----------------------------------------------------------------------------- CPU fast path
