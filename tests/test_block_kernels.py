@@ -431,6 +431,31 @@ def test_fp8_block_dequantize_kernel_twin_and_reference(shape, block_rows, qdtyp
     assert same_values(decoded, every_code.double())
 
 
+def test_dequantize_of_2d_blocks_refuses_data_that_is_not_a_matrix():
+    # (from a fuzz of the kernels' layouts: 128x128 and 16x16 block scales count the first
+    # dimension's rows, the launchers flatten every leading dimension into rows and read past them)
+    data = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
+    for kernel, args in (
+        (bq.fp8_block_dequantize, (data, torch.ones(1, 2), 128, torch.float32)),
+        (
+            nv.nvfp4_dequantize,
+            (
+                torch.zeros(2, 16, 16, dtype=torch.uint8),
+                torch.ones(1, 2).to(data.dtype),
+                torch.tensor(1.0),
+                16,
+                torch.float32,
+            ),
+        ),
+    ):
+        for fn in (kernel, getattr(bq if kernel is bq.fp8_block_dequantize else nv, kernel.__name__ + "_ref")):
+            with pytest.raises(
+                functe.ShapeError,
+                match=r"functe.dequantize: argument 'data' expected a matrix .*got values of shape \[2, ",
+            ):
+                _interpret(fn, *args)
+
+
 @pytest.mark.parametrize(("shape", "tile_rows"), [((3, 300), 1), ((2, 1, 38), 1), ((40, 50), 16), ((0, 8), 1)])
 def test_nvfp4_dequantize_kernel_twin_and_reference(shape, tile_rows):
     x = _spread(shape, seed=4)

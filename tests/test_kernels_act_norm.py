@@ -566,6 +566,21 @@ def test_cpu_fast_paths_allocate_on_the_cpu_under_another_default_device():
             assert a.device.type == "cpu" and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accum", [False, True])
+def test_layer_norm_backward_twin_reads_strided_statistics(dtype, accum):
+    # (from a fuzz of the kernels' layouts: the CPU fast path passed a strided view of rstd or mean to
+    # torch's native_layer_norm_backward, which reads them as if contiguous: dx off by up to 7)
+    x, dy, w = make((8, 32), dtype), make((8, 32), dtype), make((32,))
+    _, mean, rstd = nk.layer_norm_ref(x, w, make((32,)), 1e-5, False)
+    stats = [torch.stack([t, torch.full_like(t, 9.0)], -1)[:, 0] for t in (mean, rstd)]  # (stride 2)
+    assert stats[1].stride() == (2,) and torch.equal(stats[1], rstd)
+    kernel, extra = (nk.LAYER_NORM_BWD_ADD, (make((8, 32), dtype),)) if accum else (nk.LAYER_NORM_BWD, ())
+    want = kernel.twin(dy, x, mean, rstd, w, *extra, False)
+    for got, expected in zip(kernel.twin(dy, x, *stats, w, *extra, False), want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_layer_norm_backward_kernel_refuses_statistics_of_another_row_count():
     """The Triton backward reads one mean and one rstd per row: the error names the short or long one."""
     x, dy, w = make((3, 8)), make((3, 8)), make((8,))

@@ -32,7 +32,7 @@ import math
 import torch
 import triton.language as tl
 
-from .._errors import describe_shape, shape_error
+from .._errors import ShapeError, describe_shape, shape_error
 from .._kernel import Kernel, Rowwise
 from . import _act, _fast
 from ._common import rows_view
@@ -581,7 +581,14 @@ def dequantize_grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int]:
 def check_block_scales(op: str, arg: str, scales: Tensor, shape, block_rows: int, block_cols: int) -> None:
     """Block scales of the shape a tensor of ``shape`` has: ``[..., ceil(K/cols)]`` for 1-D blocks,
     ``[ceil(M/rows), ceil(K/cols)]`` for 2-D ones. (The dequantize kernels index them by the data's
-    blocks and read past short scales; the twins broadcast a single row of them.)"""
+    blocks and read past short scales; the twins broadcast a single row of them.) 2-D blocks tile a
+    matrix: the launchers flatten more dimensions into rows, where the scales' rows count only the
+    first, and read past them."""
+    if block_rows > 1 and len(shape) != 2:
+        raise ShapeError(
+            f"functe.{op}: argument 'data' expected a matrix ({block_rows}x{block_cols} blocks scale the "
+            f"rows and columns of one), got values of shape {list(shape)}"
+        )
     cols = -(-shape[-1] // block_cols) if len(shape) else 0
     expected = (*shape[:-1], cols) if block_rows == 1 else (-(-shape[0] // block_rows), cols)
     if tuple(scales.shape) != expected:

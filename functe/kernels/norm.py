@@ -988,7 +988,10 @@ def _layer_norm_bwd_fast(dy, x, mean, rstd, weight, zero_centered, accum=None):
     rows, dy_rows = _rows(x, dy)
     acc_rows = None if accum is None else accum.reshape(rows.shape)
     n_rows, n = rows.shape
-    mean, rstd = as_dtype(mean.reshape(n_rows, 1), acc), as_dtype(rstd.reshape(n_rows, 1), acc)
+    # (contiguous: torch's kernel reads the statistics as if they were, and a strided view of them
+    # gave wrong dx silently)
+    mean = as_dtype(mean.reshape(n_rows, 1), acc).contiguous()
+    rstd = as_dtype(rstd.reshape(n_rows, 1), acc).contiguous()
     gamma = _gamma(weight, zero_centered, acc)
     # A β argument only makes the kernel return dβ (its values never enter the backward): γ stands in,
     # saving a zeros allocation per call.
