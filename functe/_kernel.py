@@ -266,6 +266,7 @@ class _NamingLegacyVmapErrors:
 
 _transforms_active = torch._C._are_functorch_transforms_active
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrapped = torch._C._functorch.get_unwrapped
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _jit_tracing = torch._C._is_tracing
 _profiling = torch._C._autograd._profiler_enabled
@@ -504,8 +505,11 @@ def forward_tangents(fn: Callable, primals: tuple, tangents: tuple) -> Any:
             # (as below: an overlapping primal stays when its tangent has its very layout, so an
             # output that is a view of it gets a view of that tangent; a dense copy's tangent made
             # functorch write it into the overlapping input's, which torch refuses)
+            # (an overlap that only a functorch level's tensor shows, a member expanded along the
+            # vmapped dimension, is copied whatever the tangent: the dual is made on that level)
             same = [
-                p if isinstance(t, Tensor) and p.stride() == t.stride() else dense(p) for p, t in zip(primals, tangents)
+                p if isinstance(t, Tensor) and p.stride() == t.stride() and not _hidden_overlap(p) else dense(p)
+                for p, t in zip(primals, tangents)
             ]
             return torch.func.jvp(fn, tuple(same), tangents)[1]
         finally:
@@ -586,11 +590,30 @@ def with_layout(tangent: Tensor, stride) -> Tensor:
 
 
 def dense(t: Tensor) -> Tensor:
-    """``t``, copied if its elements overlap in memory (an expanded cotangent, e.g. of ``.sum()``):
-    ``torch.func.jvp`` makes dual tensors of its primals, which an overlapping tensor cannot be."""
-    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+    """``t``, copied if its elements overlap in memory (an expanded cotangent, e.g. of ``.sum()``),
+    as it or any tensor a ``torch.func`` wrapper of it holds: ``torch.func.jvp`` makes dual tensors
+    of its primals, which an overlapping tensor cannot be."""
+    if _overlaps(t) or _hidden_overlap(t):
         return t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+def _overlaps(t: Tensor) -> bool:
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+
+
+def _hidden_overlap(t: Tensor) -> bool:
+    """Whether a tensor under ``t``'s ``torch.func`` wrappers overlaps in memory where ``t`` itself
+    does not: ``vmap(hessian(f), in_dims=1)`` of a parameter expanded along the vmapped dimension,
+    whose physical tensor has stride 0 there (torch: "more than one element of the written-to
+    tensor refers to a single memory location")."""
+    if _overlaps(t):
+        return False
+    while _is_wrapped(t):
+        t = _unwrapped(t)
+        if _overlaps(t):
+            return True
+    return False
 
 
 def _fresh(value: Any, args: Sequence[Any]) -> Any:

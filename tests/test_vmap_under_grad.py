@@ -330,3 +330,23 @@ def test_quantizing_kernels_twins_stay_picklable():
 
     for kernel in (ACT_OUTPUT_CAST_AMAX, MXFP8_CAST):
         assert pickle.loads(pickle.dumps(kernel.twin)).__wrapped__ is kernel.twin.__wrapped__
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "linear", "rms_norm"])
+def test_vmap_of_hessian_over_a_parameter_expanded_along_the_vmapped_dimension(op):
+    # (from a vmap fuzz: the op's jvp rule made its primals dual, and a parameter shared by expanding
+    # it along the vmapped dimension, in_dims=1, overlaps only in the vmap level's physical tensor:
+    # torch refused "more than one element of the written-to tensor refers to a single memory location")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, dtype=torch.float64, generator=g)
+    b = torch.randn(4, dtype=torch.float64, generator=g)
+    shared = torch.randn(4, 1, dtype=torch.float64, generator=g).expand(4, 3)  # (strides (1, 0))
+    loss = {
+        "layer_norm": lambda x, w: ops.layer_norm(x, w, b).pow(2).sum(),
+        "linear": lambda x, c: ops.linear(x, torch.eye(4, dtype=torch.float64), c).pow(3).sum(),
+        "rms_norm": lambda x, w: ops.rms_norm(x, w).pow(3).sum(),
+    }[op]
+    hessian = torch.func.hessian(loss)
+    got = vmap(hessian, in_dims=(None, 1))(x, shared)
+    want = torch.stack([hessian(x, shared[:, i].contiguous()) for i in range(3)])
+    assert_close(got, want)
