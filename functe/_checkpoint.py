@@ -168,8 +168,10 @@ def _check_file_path(op: str, path: Any, *, writing: bool = False) -> None:
         return
     if os.path.isdir(path):
         raise ArgumentError(f"functe.{op}: argument 'path' expected a file path, got the directory {os.fspath(path)!r}")
+    if not writing:
+        return
     parent = os.path.dirname(os.path.abspath(os.fspath(path)))
-    if writing and not os.path.isdir(parent):
+    if not os.path.isdir(parent):
         raise ArgumentError(
             f"functe.{op}: argument 'path' expected a file in an existing directory, got "
             f"{os.fspath(path)!r} ({parent!r} does not exist)"

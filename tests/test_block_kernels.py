@@ -434,21 +434,14 @@ def test_fp8_block_dequantize_kernel_twin_and_reference(shape, block_rows, qdtyp
 def test_dequantize_of_2d_blocks_refuses_data_that_is_not_a_matrix():
     # (from a fuzz of the kernels' layouts: 128x128 and 16x16 block scales count the first
     # dimension's rows, the launchers flatten every leading dimension into rows and read past them)
-    data = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
-    for kernel, args in (
-        (bq.fp8_block_dequantize, (data, torch.ones(1, 2), 128, torch.float32)),
-        (
-            nv.nvfp4_dequantize,
-            (
-                torch.zeros(2, 16, 16, dtype=torch.uint8),
-                torch.ones(1, 2).to(data.dtype),
-                torch.tensor(1.0),
-                16,
-                torch.float32,
-            ),
-        ),
+    fp8_args = (torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 2), 128, torch.float32)
+    nvfp4_scales = torch.ones(1, 2).to(torch.float8_e4m3fn)
+    nvfp4_args = (torch.zeros(2, 16, 16, dtype=torch.uint8), nvfp4_scales, torch.tensor(1.0), 16, torch.float32)
+    for launcher, twin, args in (
+        (bq.fp8_block_dequantize, bq.fp8_block_dequantize_ref, fp8_args),
+        (nv.nvfp4_dequantize, nv.nvfp4_dequantize_ref, nvfp4_args),
     ):
-        for fn in (kernel, getattr(bq if kernel is bq.fp8_block_dequantize else nv, kernel.__name__ + "_ref")):
+        for fn in (launcher, twin):
             with pytest.raises(
                 functe.ShapeError,
                 match=r"functe.dequantize: argument 'data' expected a matrix .*got values of shape \[2, ",
